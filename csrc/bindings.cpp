@@ -1,0 +1,306 @@
+// pybind11 bindings of the C++ data path: the only file that touches Python objects.
+// Buffers cross as integer addresses (plus lengths) or the buffer protocol.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sstream>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "uring_engine.hpp"
+
+namespace py = pybind11;
+using namespace pykvtier;
+
+namespace {
+
+constexpr uint64_t kMaxRequestBytes = 1ull << 30;
+
+Op parse_op(const std::string& s) {
+  if (s == "read") return Op::Read;
+  if (s == "write") return Op::Write;
+  if (s == "read_block") return Op::ReadBlock;
+  if (s == "write_block") return Op::WriteBlock;
+  if (s == "unlink") return Op::Unlink;
+  throw py::value_error("unknown op '" + s +
+                        "': expected read, write, read_block, write_block or unlink");
+}
+
+std::string hex(uint64_t v) {
+  std::ostringstream o;
+  o << "0x" << std::hex << v;
+  return o.str();
+}
+
+[[noreturn]] void entry_error(size_t i, const std::string& path, const std::string& what) {
+  throw py::value_error("entry " + std::to_string(i) + " (" + path + "): " + what);
+}
+
+// Converts Python entries into a Job, validating every entry before anything is queued.
+//   read / write:   (path, file_offset, length, host_addr[, rename_target])
+//   read_block:     (path, payload_length, host_addr, key_digest16)
+//   write_block:    (tmp_path, final_path, payload_length, host_addr, key_digest16)
+//   unlink:         (path,) or path
+std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::sequence& entries,
+                              bool direct, uint32_t align, uint32_t mem_align, bool fsync) {
+  auto job = std::make_unique<Job>();
+  job->id = id;
+  job->op = parse_op(op_s);
+  job->direct = direct;
+  job->fsync = fsync;
+  if (align == 0 || (align & (align - 1))) throw py::value_error("align must be a power of two");
+  if (mem_align == 0) mem_align = align;
+  if (mem_align & (mem_align - 1)) throw py::value_error("mem_align must be a power of two");
+  const size_t n = py::len(entries);
+  job->reqs.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Request& r = job->reqs[i];
+    py::handle e = entries[i];
+    if (job->op == Op::Unlink) {
+      r.path = py::isinstance<py::str>(e) ? e.cast<std::string>()
+                                          : py::reinterpret_borrow<py::sequence>(e)[0].cast<std::string>();
+      continue;
+    }
+    py::tuple t = py::reinterpret_borrow<py::object>(e).cast<py::tuple>();
+    auto need = [&](size_t k) {
+      if (t.size() != k)
+        throw py::value_error("entry " + std::to_string(i) + ": expected a tuple of " +
+                              std::to_string(k) + " items for op '" + op_s + "', got " +
+                              std::to_string(t.size()));
+    };
+    auto digest = [&](py::handle h) {
+      std::string d = h.cast<py::bytes>();
+      if (d.size() != kDigestBytes)
+        entry_error(i, r.path, "key digest must be " + std::to_string(kDigestBytes) + " bytes");
+      std::memcpy(r.digest, d.data(), kDigestBytes);
+    };
+    switch (job->op) {
+      case Op::Read:
+      case Op::Write:
+        if (t.size() == 5 && job->op == Op::Write)
+          r.target = t[4].cast<std::string>();
+        else
+          need(4);
+        r.path = t[0].cast<std::string>();
+        r.offset = t[1].cast<uint64_t>();
+        r.length = t[2].cast<uint64_t>();
+        r.addr = t[3].cast<uint64_t>();
+        break;
+      case Op::ReadBlock:
+        need(4);
+        r.path = t[0].cast<std::string>();
+        r.length = t[1].cast<uint64_t>();
+        r.addr = t[2].cast<uint64_t>();
+        digest(t[3]);
+        break;
+      case Op::WriteBlock:
+        need(5);
+        r.path = t[0].cast<std::string>();
+        r.target = t[1].cast<std::string>();
+        r.length = t[2].cast<uint64_t>();
+        r.addr = t[3].cast<uint64_t>();
+        digest(t[4]);
+        break;
+      case Op::Unlink:
+        break;
+    }
+    if (r.length == 0) entry_error(i, r.path, "length is 0");
+    if (r.length > kMaxRequestBytes)
+      entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
+    if (r.addr == 0) entry_error(i, r.path, "host address is NULL");
+    if (direct) {
+      if (r.addr % mem_align)
+        entry_error(i, r.path, "host address " + hex(r.addr) + " is not a multiple of " +
+                                   std::to_string(mem_align) +
+                                   " bytes, the memory alignment O_DIRECT needs here; "
+                                   "use page-aligned memory");
+      if (r.length % align)
+        entry_error(i, r.path, "length " + std::to_string(r.length) + " is not a multiple of " +
+                                   std::to_string(align) + " bytes, the O_DIRECT I/O alignment here");
+      if (r.offset % align)
+        entry_error(i, r.path, "file offset " + std::to_string(r.offset) + " is not a multiple of " +
+                                   std::to_string(align) + " bytes, the O_DIRECT I/O alignment here");
+    }
+  }
+  return job;
+}
+
+py::dict stats_dict(Engine& e) {
+  auto& s = e.stats();
+  py::dict d;
+  d["submits"] = s.submits.load();
+  d["sqes"] = s.sqes.load();
+  d["cqes"] = s.cqes.load();
+  d["jobs_submitted"] = s.jobs_submitted.load();
+  d["jobs_finished"] = s.jobs_finished.load();
+  d["requests_ok"] = s.requests_ok.load();
+  d["requests_failed"] = s.requests_failed.load();
+  d["bytes_read"] = s.bytes_read.load();
+  d["bytes_written"] = s.bytes_written.load();
+  d["fixed_buffer_ios"] = s.fixed_buffer_ios.load();
+  d["verify_failures"] = s.verify_failures.load();
+  d["rename_existing"] = s.rename_existing.load();
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "pykvtier's C++ data path: batched block I/O over io_uring (liburing).";
+
+  m.attr("HEADER_BYTES") = kHeaderBytes;
+  m.attr("FORMAT_VERSION") = kFormatVersion;
+  m.attr("MAGIC") = py::bytes(kMagic, sizeof(kMagic));
+  m.attr("DIGEST_BYTES") = kDigestBytes;
+  m.attr("ERR_SHORT") = kErrShort;
+  m.attr("ERR_BAD_HEADER") = kErrBadHeader;
+  m.attr("ERR_KEY_MISMATCH") = kErrKeyMismatch;
+  m.attr("ERR_LENGTH") = kErrLength;
+  m.attr("ERR_CHECKSUM") = kErrChecksum;
+
+  m.def(
+      "xxh3_64",
+      [](py::buffer b) {
+        py::buffer_info info = b.request();
+        const size_t n = size_t(info.size) * size_t(info.itemsize);
+        py::gil_scoped_release nogil;
+        return uint64_t(XXH3_64bits(info.ptr, n));
+      },
+      py::arg("buffer"), "XXH3-64 of a contiguous buffer (the block payload checksum).");
+
+  m.def(
+      "probe_direct",
+      [](const std::string& dir) {
+        DirectProbe p;
+        {
+          py::gil_scoped_release nogil;
+          try {
+            p = probe_direct(dir);
+          } catch (const std::system_error& e) {
+            py::gil_scoped_acquire gil;
+            throw py::value_error(e.what());
+          }
+        }
+        py::dict d;
+        d["direct"] = p.direct;
+        d["mem_align"] = p.mem_align;
+        d["offset_align"] = p.offset_align;
+        d["dioalign_from_statx"] = p.dioalign_from_statx;
+        d["reason"] = p.reason;
+        return d;
+      },
+      py::arg("dir"),
+      "Whether dir's file system accepts O_DIRECT, and its alignment in bytes.\n"
+      "Returns a dict: direct (bool), mem_align, offset_align (bytes; from statx STATX_DIOALIGN\n"
+      "where the kernel reports it, else 4096), dioalign_from_statx, reason. Raises ValueError\n"
+      "if no file can be created in dir.");
+
+  py::class_<Engine>(m, "Engine", R"doc(
+Batched block I/O over io_uring.
+
+Engine(queue_depth=64, max_inflight_bytes=256 MiB, workers=1)
+
+queue_depth: requests in flight per ring (each request: open, read/write, close in one
+SQE chain, the file held in a fixed-file slot). max_inflight_bytes: payload bytes in
+flight per ring. workers: background threads (one ring each) serving submit().
+run() uses a ring of the calling thread's own. Thread-safe; every wait releases the GIL.
+
+Entry tuples per op:
+  read / write:  (path, file_offset, length, host_addr[, rename_target (write only)])
+  read_block:    (path, payload_length, host_addr, key_digest: 16 bytes)
+  write_block:   (tmp_path, final_path, payload_length, host_addr, key_digest: 16 bytes)
+  unlink:        path
+Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
+)doc")
+      .def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned workers) {
+             EngineConfig c;
+             c.queue_depth = queue_depth;
+             c.max_inflight_bytes = max_inflight_bytes;
+             c.workers = workers;
+             try {
+               return std::make_unique<Engine>(c);
+             } catch (const std::system_error& e) {
+               throw py::value_error(std::string("io_uring unavailable: ") + e.what());
+             }
+           }),
+           py::arg("queue_depth") = 64, py::arg("max_inflight_bytes") = 256ull << 20,
+           py::arg("workers") = 1)
+      .def(
+          "run",
+          [](Engine& e, const std::string& op, const py::sequence& entries, bool direct, uint32_t align,
+             uint32_t mem_align, bool fsync) {
+            auto job = make_job(0, op, entries, direct, align, mem_align, fsync);
+            std::vector<int64_t> out;
+            {
+              py::gil_scoped_release nogil;
+              out = e.run(*job);
+            }
+            return out;
+          },
+          py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
+          py::arg("mem_align") = 0, py::arg("fsync") = false,
+          "Runs one batch on the calling thread's ring, as few io_uring_submit calls as the ring\n"
+          "allows; the GIL is released while the kernel works. Returns one result per entry.\n"
+          "Raises ValueError naming the entry for a misaligned address/length/offset (direct=True)\n"
+          "or a malformed entry, before any I/O.")
+      .def(
+          "submit",
+          [](Engine& e, uint64_t job_id, const std::string& op, const py::sequence& entries, bool direct,
+             uint32_t align, uint32_t mem_align, bool fsync) {
+            auto job = make_job(job_id, op, entries, direct, align, mem_align, fsync);
+            e.submit(std::move(job));
+          },
+          py::arg("job_id"), py::arg("op"), py::arg("entries"), py::arg("direct") = true,
+          py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false,
+          "Queues a job for the background ring(s) and returns at once. Loads (read, read_block)\n"
+          "go before stores. Each job's SQEs are handed to the kernel in one io_uring_submit when\n"
+          "the ring has room. Finished jobs are reported by poll().")
+      .def(
+          "poll",
+          [](Engine& e) {
+            auto fin = e.poll();
+            py::list out;
+            for (auto& f : fin) {
+              out.append(py::make_tuple(f.id, op_name(f.op), py::cast(f.results), f.submits, f.queued_s,
+                                        f.transfer_s));
+            }
+            return out;
+          },
+          "Finished jobs since the last call, each exactly once: list of\n"
+          "(job_id, op, results, submits, queued_seconds, transfer_seconds). Never blocks.")
+      .def(
+          "wait",
+          [](Engine& e, std::optional<double> timeout_s) {
+            py::gil_scoped_release nogil;
+            return e.wait(timeout_s ? *timeout_s : -1.0);
+          },
+          py::arg("timeout_s") = py::none(),
+          "Blocks (GIL released) until a finished job can be polled, nothing is pending, or\n"
+          "timeout_s seconds passed. Returns True if poll() has something.")
+      .def(
+          "drain",
+          [](Engine& e) {
+            py::gil_scoped_release nogil;
+            e.drain();
+          },
+          "Blocks (GIL released) until every submitted job finished; results stay for poll().")
+      .def(
+          "shutdown",
+          [](Engine& e) {
+            py::gil_scoped_release nogil;
+            e.shutdown();
+          },
+          "Finishes queued jobs, stops the worker threads, closes the rings. Idempotent.")
+      .def("register_buffer", &Engine::register_buffer, py::arg("addr"), py::arg("nbytes"),
+           "Registers [addr, addr+nbytes) as io_uring fixed buffers (split in 1 GiB pieces);\n"
+           "requests whose memory lies inside use READ_FIXED/WRITE_FIXED. The memory must stay\n"
+           "valid until unregister_buffers() or shutdown(). Returns the first buffer index.")
+      .def("unregister_buffers", &Engine::unregister_buffers)
+      .def("pending_jobs", &Engine::pending_jobs, "Jobs submitted and not yet finished.")
+      .def("stats", &stats_dict,
+           "Counters: submits (io_uring_submit calls carrying SQEs), sqes, cqes, jobs_*, requests_*,\n"
+           "bytes_read, bytes_written, fixed_buffer_ios, verify_failures, rename_existing.")
+      .def_property_readonly("queue_depth", [](Engine& e) { return e.config().queue_depth; })
+      .def_property_readonly("max_inflight_bytes", [](Engine& e) { return e.config().max_inflight_bytes; });
+}

@@ -1,0 +1,692 @@
+// io_uring engine: see uring_engine.hpp.
+#include "uring_engine.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <system_error>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace pykvtier {
+
+namespace {
+
+// Stages of a request's SQE chain, kept in the low bits of user_data.
+enum Stage : uint64_t {
+  kOpen = 0,
+  kHeader = 1,
+  kData = 2,
+  kFsync = 3,
+  kClose = 4,
+  kRename = 5,
+  kUnlink = 6,
+};
+constexpr uint64_t kStageBits = 3;
+constexpr uint64_t kWakeTag = ~0ull;
+constexpr uint64_t kMaxIoBytes = 1ull << 30;  // per-SQE limit (CQE res is int32)
+constexpr uint64_t kMaxFixedChunk = 1ull << 30;  // the kernel's limit per registered buffer
+
+uint64_t encode(uint32_t slot, Stage stage) { return (uint64_t(slot) << kStageBits) | stage; }
+
+[[noreturn]] void throw_errno(const char* what, int err) {
+  throw std::system_error(err, std::generic_category(), what);
+}
+
+void fill_header(char* hdr, const Request& r) {
+  std::memset(hdr, 0, kHeaderBytes);
+  BlockHeader h{};
+  std::memcpy(h.magic, kMagic, sizeof(h.magic));
+  h.version = kFormatVersion;
+  h.header_bytes = uint32_t(kHeaderBytes);
+  h.payload_bytes = r.length;
+  std::memcpy(h.key_digest, r.digest, kDigestBytes);
+  h.payload_xxh3 = XXH3_64bits(reinterpret_cast<const void*>(r.addr), r.length);
+  h.header_xxh3 = XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3));
+  std::memcpy(hdr, &h, sizeof(h));
+}
+
+int64_t verify_block(const char* hdr, const Request& r) {
+  BlockHeader h;
+  std::memcpy(&h, hdr, sizeof(h));
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.version != kFormatVersion ||
+      h.header_bytes != kHeaderBytes ||
+      h.header_xxh3 != XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3)))
+    return kErrBadHeader;
+  if (std::memcmp(h.key_digest, r.digest, kDigestBytes) != 0) return kErrKeyMismatch;
+  if (h.payload_bytes != r.length) return kErrLength;
+  if (h.payload_xxh3 != XXH3_64bits(reinterpret_cast<const void*>(r.addr), r.length))
+    return kErrChecksum;
+  return 0;
+}
+
+}  // namespace
+
+double monotonic_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Read: return "read";
+    case Op::Write: return "write";
+    case Op::ReadBlock: return "read_block";
+    case Op::WriteBlock: return "write_block";
+    case Op::Unlink: return "unlink";
+  }
+  return "?";
+}
+
+bool op_is_write(Op op) { return op == Op::Write || op == Op::WriteBlock || op == Op::Unlink; }
+
+FinishedJob make_finished(Job& job) {
+  FinishedJob f;
+  f.id = job.id;
+  f.op = job.op;
+  f.results.reserve(job.reqs.size());
+  for (auto& r : job.reqs) f.results.push_back(r.result);
+  f.submits = job.submits;
+  f.queued_s = job.start_time > 0 ? job.start_time - job.submit_time : 0;
+  f.transfer_s = job.start_time > 0 ? job.end_time - job.start_time : 0;
+  return f;
+}
+
+// ---------------------------------------------------------------------------- Ring
+
+Ring::Ring(Engine& engine, unsigned depth, int wake_fd)
+    : engine_(engine), depth_(depth), wake_fd_(wake_fd) {
+  // Each request takes at most 5 SQEs (open, header, data, fsync, close) plus a follow-up.
+  unsigned entries = 8;
+  while (entries < depth * 6 + 2) entries <<= 1;
+  io_uring_params p{};
+  p.flags = IORING_SETUP_SUBMIT_ALL;
+  int rc = io_uring_queue_init_params(entries, &ring_, &p);
+  if (rc == -EINVAL) {
+    p = io_uring_params{};
+    rc = io_uring_queue_init_params(entries, &ring_, &p);
+  }
+  if (rc < 0) throw_errno("io_uring_queue_init", -rc);
+  rc = io_uring_register_files_sparse(&ring_, depth);
+  if (rc < 0) {
+    io_uring_queue_exit(&ring_);
+    throw_errno("io_uring_register_files_sparse (fixed-file table, Linux >= 5.19 needed)", -rc);
+  }
+  ctx_.resize(depth);
+  free_slots_.reserve(depth);
+  for (unsigned i = depth; i > 0; --i) free_slots_.push_back(i - 1);
+  if (posix_memalign(reinterpret_cast<void**>(&headers_), 4096, size_t(depth) * kHeaderBytes) != 0) {
+    io_uring_queue_exit(&ring_);
+    throw std::bad_alloc();
+  }
+  for (unsigned i = 0; i < depth; ++i) ctx_[i].header = headers_ + size_t(i) * kHeaderBytes;
+  if (wake_fd_ >= 0) arm_wake();
+}
+
+Ring::~Ring() {
+  std::vector<Job*> ignored;
+  while (inflight_ > 0) reap(true, ignored);
+  io_uring_queue_exit(&ring_);
+  free(headers_);
+}
+
+void Ring::arm_wake() {
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_poll_multishot(sqe, wake_fd_, POLLIN);
+  io_uring_sqe_set_data64(sqe, kWakeTag);
+  ++unsubmitted_;
+  ++wake_sqes_;  // not counted as a data submit
+}
+
+io_uring_sqe* Ring::get_sqe() {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (!sqe) {
+    // Sized so this cannot happen with the per-request bound; submit to make room.
+    submit(0);
+    sqe = io_uring_get_sqe(&ring_);
+    if (!sqe) throw std::runtime_error("io_uring submission queue full");
+  }
+  return sqe;
+}
+
+bool Ring::has_capacity(uint64_t len) const {
+  if (free_slots_.empty()) return false;
+  if (inflight_ == 0) return true;
+  return inflight_bytes_ + len <= engine_.config().max_inflight_bytes;
+}
+
+int Ring::fixed_index(uint64_t addr, uint64_t len) const {
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    const auto& b = buffers_[i];
+    if (addr >= b.addr && addr + len <= b.addr + b.len) return int(i);
+  }
+  return -1;
+}
+
+void Ring::sync_buffers() {
+  uint64_t gen = 0;
+  auto bufs = engine_.buffers(&gen);
+  if (gen == buffers_generation_ || inflight_ > 0) return;
+  if (!buffers_.empty()) io_uring_unregister_buffers(&ring_);
+  buffers_.clear();
+  buffers_generation_ = gen;
+  if (bufs.empty()) return;
+  std::vector<iovec> iov;
+  for (auto& b : bufs) iov.push_back({reinterpret_cast<void*>(b.addr), size_t(b.len)});
+  int rc = io_uring_register_buffers(&ring_, iov.data(), unsigned(iov.size()));
+  if (rc == 0) buffers_ = std::move(bufs);
+  // On failure (e.g. RLIMIT_MEMLOCK) the ring keeps using plain READ/WRITE.
+}
+
+void Ring::record_error(Ctx& c, int stage, int64_t err) {
+  if (stage < c.err_stage) {
+    c.err = err;
+    c.err_stage = stage;
+  }
+}
+
+unsigned Ring::issue(Job& job) {
+  if (job.next == 0 && job.start_time == 0) job.start_time = monotonic_seconds();
+  unsigned n = 0;
+  while (job.next < job.reqs.size()) {
+    Request& r = job.reqs[job.next];
+    uint64_t len = job.op == Op::Unlink ? 0 : r.length;
+    if (!has_capacity(len)) break;
+    uint32_t slot = free_slots_.back();
+    free_slots_.pop_back();
+    Ctx& c = ctx_[slot];
+    c.job = &job;
+    c.index = uint32_t(job.next);
+    c.pending = 0;
+    c.phase = 0;
+    c.err = 0;
+    c.err_stage = 99;
+    c.moved = 0;
+    ++job.next;
+    ++inflight_;
+    inflight_bytes_ += len;
+    prep_chain(slot);
+    ++n;
+  }
+  if (n) ++job.submits;
+  return n;
+}
+
+void Ring::prep_chain(uint32_t slot) {
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
+  auto finish_sqe = [&](io_uring_sqe* sqe, Stage st, unsigned flags) {
+    io_uring_sqe_set_data64(sqe, encode(slot, st));
+    sqe->flags |= flags;
+    ++c.pending;
+    ++unsubmitted_;
+  };
+
+  if (job.op == Op::Unlink) {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_unlinkat(sqe, AT_FDCWD, r.path.c_str(), 0);
+    finish_sqe(sqe, kUnlink, 0);
+    return;
+  }
+
+  const bool write = op_is_write(job.op);
+  const bool block = job.op == Op::ReadBlock || job.op == Op::WriteBlock;
+  const uint64_t data_off = block ? kHeaderBytes : r.offset;
+  int flags = write ? O_WRONLY | O_CREAT : O_RDONLY;
+  if (write && !r.target.empty()) flags |= O_EXCL;
+  if (job.direct) flags |= O_DIRECT;
+  // (O_CLOEXEC is refused for direct descriptors: they are never in the fd table.)
+  if (job.op == Op::WriteBlock) fill_header(c.header, r);
+
+  // open -> [header] -> data -> [fsync] -> close, hard-linked so that the close
+  // always runs and every stage reports its own result.
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_openat_direct(sqe, AT_FDCWD, r.path.c_str(), flags, 0644, slot);
+  finish_sqe(sqe, kOpen, IOSQE_IO_HARDLINK);
+
+  if (block) {
+    sqe = get_sqe();
+    if (write)
+      io_uring_prep_write(sqe, int(slot), c.header, unsigned(kHeaderBytes), 0);
+    else
+      io_uring_prep_read(sqe, int(slot), c.header, unsigned(kHeaderBytes), 0);
+    finish_sqe(sqe, kHeader, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+  }
+
+  sqe = get_sqe();
+  void* buf = reinterpret_cast<void*>(r.addr);
+  int fixed = fixed_index(r.addr, r.length);
+  if (fixed >= 0) {
+    if (write)
+      io_uring_prep_write_fixed(sqe, int(slot), buf, unsigned(r.length), data_off, fixed);
+    else
+      io_uring_prep_read_fixed(sqe, int(slot), buf, unsigned(r.length), data_off, fixed);
+    engine_.stats().fixed_buffer_ios++;
+  } else {
+    if (write)
+      io_uring_prep_write(sqe, int(slot), buf, unsigned(r.length), data_off);
+    else
+      io_uring_prep_read(sqe, int(slot), buf, unsigned(r.length), data_off);
+  }
+  finish_sqe(sqe, kData, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+
+  if (write && job.fsync) {
+    sqe = get_sqe();
+    io_uring_prep_fsync(sqe, int(slot), IORING_FSYNC_DATASYNC);
+    finish_sqe(sqe, kFsync, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+  }
+
+  sqe = get_sqe();
+  io_uring_prep_close_direct(sqe, slot);
+  finish_sqe(sqe, kClose, 0);
+}
+
+void Ring::prep_followup(uint32_t slot, uint8_t phase) {
+  Ctx& c = ctx_[slot];
+  Request& r = c.job->reqs[c.index];
+  c.phase = phase;
+  io_uring_sqe* sqe = get_sqe();
+  if (phase == 1) {
+    io_uring_prep_renameat(sqe, AT_FDCWD, r.path.c_str(), AT_FDCWD, r.target.c_str(),
+                           RENAME_NOREPLACE);
+    io_uring_sqe_set_data64(sqe, encode(slot, kRename));
+  } else {
+    io_uring_prep_unlinkat(sqe, AT_FDCWD, r.path.c_str(), 0);
+    io_uring_sqe_set_data64(sqe, encode(slot, kUnlink));
+  }
+  ++c.pending;
+  ++unsubmitted_;
+}
+
+void Ring::submit(unsigned wait_nr) {
+  if (unsubmitted_ == 0 && wait_nr == 0) return;
+  unsigned carried = unsubmitted_ - wake_sqes_;
+  int rc;
+  do {
+    rc = wait_nr ? io_uring_submit_and_wait(&ring_, wait_nr) : io_uring_submit(&ring_);
+  } while (rc == -EINTR);
+  if (rc < 0 && rc != -EBUSY && rc != -EAGAIN) throw_errno("io_uring_submit", -rc);
+  if (carried) {
+    engine_.stats().submits++;
+    engine_.stats().sqes += carried;
+  }
+  unsubmitted_ = 0;
+  wake_sqes_ = 0;
+}
+
+void Ring::submit_and_reap(std::vector<Job*>& finished) {
+  if (unsubmitted_ > 0) {
+    submit(1);
+    reap(false, finished);
+  } else {
+    reap(true, finished);
+  }
+}
+
+void Ring::reap(bool wait, std::vector<Job*>& finished) {
+  if (wait) {
+    io_uring_cqe* cqe = nullptr;
+    int rc;
+    do {
+      rc = io_uring_wait_cqe(&ring_, &cqe);
+    } while (rc == -EINTR);
+    if (rc < 0) throw_errno("io_uring_wait_cqe", -rc);
+  }
+  io_uring_cqe* cqes[64];
+  for (;;) {
+    unsigned n = io_uring_peek_batch_cqe(&ring_, cqes, 64);
+    if (n == 0) break;
+    for (unsigned i = 0; i < n; ++i) {
+      uint64_t ud = cqes[i]->user_data;
+      int32_t res = cqes[i]->res;
+      uint32_t fl = cqes[i]->flags;
+      io_uring_cq_advance(&ring_, 1);
+      on_cqe(ud, res, fl, finished);
+    }
+    engine_.stats().cqes += n;
+  }
+}
+
+void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& finished) {
+  if (ud == kWakeTag) {
+    uint64_t v;
+    while (::read(wake_fd_, &v, sizeof(v)) == sizeof(v)) {
+    }
+    if (!(flags & IORING_CQE_F_MORE)) arm_wake();
+    return;
+  }
+  uint32_t slot = uint32_t(ud >> kStageBits);
+  Stage st = Stage(ud & ((1u << kStageBits) - 1));
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
+  switch (st) {
+    case kOpen:
+    case kFsync:
+      if (res < 0) record_error(c, st, res);
+      break;
+    case kHeader:
+      if (res < 0)
+        record_error(c, st, res);
+      else if (uint64_t(res) < kHeaderBytes)
+        record_error(c, st, job.op == Op::ReadBlock ? kErrShort : -ENOSPC);
+      break;
+    case kData:
+      if (res < 0)
+        record_error(c, st, res);
+      else if (uint64_t(res) < r.length)
+        record_error(c, st, op_is_write(job.op) ? -ENOSPC : kErrShort);
+      else
+        c.moved = uint64_t(res);
+      break;
+    case kClose:
+      // A close error matters for writes only (the data may not have reached the file).
+      if (res < 0 && op_is_write(job.op) && c.err == 0) record_error(c, st, res);
+      break;
+    case kRename:
+      if (res == -EEXIST) {
+        // Content-addressed: another writer already placed this block. Keep theirs.
+        engine_.stats().rename_existing++;
+        c.err = 0;
+        c.phase = 3;  // unlink our temporary, then report success
+      } else if (res < 0) {
+        record_error(c, st, res);
+      }
+      break;
+    case kUnlink:
+      if (job.op == Op::Unlink && res < 0) record_error(c, st, res);
+      break;
+  }
+  if (--c.pending > 0) return;
+
+  // The chain (or follow-up) is complete.
+  const bool tmp_write = op_is_write(job.op) && job.op != Op::Unlink && !r.target.empty();
+  if (tmp_write && c.phase == 0) {
+    prep_followup(slot, c.err == 0 ? 1 : 2);  // rename into place, or remove the temporary
+    return;
+  }
+  if (tmp_write && c.phase == 3) {
+    prep_followup(slot, 2);
+    c.phase = 4;  // unlink of a duplicate temporary: success whatever it returns
+    return;
+  }
+  finish(slot, finished);
+}
+
+void Ring::finish(uint32_t slot, std::vector<Job*>& finished) {
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
+  int64_t result = c.err;
+  if (result == 0) {
+    if (job.op == Op::ReadBlock) result = verify_block(c.header, r);
+    if (result == 0) {
+      result = int64_t(job.op == Op::Unlink ? 0 : r.length);
+      if (job.op == Op::Read || job.op == Op::ReadBlock)
+        engine_.stats().bytes_read += r.length;
+      else if (job.op != Op::Unlink)
+        engine_.stats().bytes_written += r.length;
+    } else {
+      engine_.stats().verify_failures++;
+    }
+  }
+  r.result = result;
+  (result < 0 ? engine_.stats().requests_failed : engine_.stats().requests_ok)++;
+  inflight_bytes_ -= job.op == Op::Unlink ? 0 : r.length;
+  --inflight_;
+  c.job = nullptr;
+  free_slots_.push_back(slot);
+  if (++job.done == job.reqs.size()) {
+    job.end_time = monotonic_seconds();
+    finished.push_back(&job);
+  }
+}
+
+// ---------------------------------------------------------------------------- Engine
+
+Engine::Engine(EngineConfig cfg) : cfg_(cfg) {
+  if (cfg_.queue_depth == 0 || cfg_.queue_depth > 4096)
+    throw std::invalid_argument("queue_depth must be in 1..4096");
+  if (cfg_.workers == 0 || cfg_.workers > 16) throw std::invalid_argument("workers must be in 1..16");
+  // Fail early (and clearly) where io_uring is unavailable: build one ring now.
+  { Ring probe(*this, 1, -1); }
+  for (unsigned i = 0; i < cfg_.workers; ++i) {
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) throw_errno("eventfd", errno);
+    wake_fds_.push_back(fd);
+  }
+  for (unsigned i = 0; i < cfg_.workers; ++i) workers_.emplace_back([this, i] { worker_main(i); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_ && workers_.empty()) return;
+    stopping_ = true;
+  }
+  for (int fd : wake_fds_) {
+    uint64_t one = 1;
+    (void)!::write(fd, &one, sizeof(one));
+  }
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+  workers_.clear();
+  for (int fd : wake_fds_) ::close(fd);
+  wake_fds_.clear();
+  std::lock_guard<std::mutex> lk(rings_mu_);
+  sync_rings_.clear();
+}
+
+unsigned Engine::register_buffer(uint64_t addr, uint64_t len) {
+  std::lock_guard<std::mutex> lk(buf_mu_);
+  unsigned first = unsigned(buffers_.size());
+  for (uint64_t off = 0; off < len; off += kMaxFixedChunk)
+    buffers_.push_back({addr + off, std::min(kMaxFixedChunk, len - off)});
+  ++buffers_generation_;
+  return first;
+}
+
+void Engine::unregister_buffers() {
+  std::lock_guard<std::mutex> lk(buf_mu_);
+  buffers_.clear();
+  ++buffers_generation_;
+}
+
+std::vector<BufferRegion> Engine::buffers(uint64_t* generation) const {
+  std::lock_guard<std::mutex> lk(buf_mu_);
+  *generation = buffers_generation_;
+  return buffers_;
+}
+
+std::vector<int64_t> Engine::run(Job& job) {
+  Ring* ring;
+  {
+    std::lock_guard<std::mutex> lk(rings_mu_);
+    auto& slot = sync_rings_[std::this_thread::get_id()];
+    if (!slot) slot = std::make_unique<Ring>(*this, cfg_.queue_depth, -1);
+    ring = slot.get();
+  }
+  stats_.jobs_submitted++;
+  job.submit_time = monotonic_seconds();
+  ring->sync_buffers();
+  std::vector<Job*> finished;
+  while (finished.empty() && !job.reqs.empty()) {
+    if (job.next < job.reqs.size()) ring->issue(job);
+    ring->submit_and_reap(finished);
+  }
+  if (job.reqs.empty()) job.end_time = monotonic_seconds();
+  stats_.jobs_finished++;
+  std::vector<int64_t> out;
+  out.reserve(job.reqs.size());
+  for (auto& r : job.reqs) out.push_back(r.result);
+  return out;
+}
+
+void Engine::submit(std::unique_ptr<Job> job) {
+  job->submit_time = monotonic_seconds();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) throw std::runtime_error("engine is shut down");
+    stats_.jobs_submitted++;
+    ++outstanding_;
+    if (job->reqs.empty()) {
+      job->end_time = job->start_time = job->submit_time;
+      finished_.push_back(make_finished(*job));
+      --outstanding_;
+      stats_.jobs_finished++;
+      done_cv_.notify_all();
+      return;
+    }
+    (op_is_write(job->op) ? stores_ : loads_).push_back(std::move(job));
+  }
+  for (size_t i = 0; i < wake_fds_.size(); ++i) {
+    uint64_t one = 1;
+    (void)!::write(wake_fds_[i], &one, sizeof(one));
+  }
+}
+
+void Engine::worker_main(unsigned idx) {
+  std::unique_ptr<Ring> ring;
+  try {
+    ring = std::make_unique<Ring>(*this, cfg_.queue_depth, wake_fds_[idx]);
+  } catch (const std::exception&) {
+    // Leave the jobs to the other workers (Engine() already proved a ring can be built).
+    return;
+  }
+  std::vector<std::unique_ptr<Job>> active;  // issued (partly or wholly), not finished
+  std::vector<Job*> done;
+  for (;;) {
+    // Issue: first continue partly issued jobs, then take new ones, loads before stores.
+    // Each job's SQEs go to the kernel in their own io_uring_submit.
+    if (ring->inflight() == 0) ring->sync_buffers();
+    for (auto& j : active) {
+      if (j->next < j->reqs.size() && ring->issue(*j) > 0) ring->submit(0);
+    }
+    for (;;) {
+      std::unique_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        // Take a new job only when the ring has room for at least one of its requests.
+        std::deque<std::unique_ptr<Job>>* q = !loads_.empty() ? &loads_ : &stores_;
+        if (q->empty()) break;
+        Job& head = *q->front();
+        if (!ring->has_capacity(head.op == Op::Unlink ? 0 : head.reqs[0].length)) break;
+        job = std::move(q->front());
+        q->pop_front();
+      }
+      if (ring->inflight() == 0) ring->sync_buffers();
+      ring->issue(*job);
+      ring->submit(0);
+      active.push_back(std::move(job));
+    }
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop = stopping_ && loads_.empty() && stores_.empty();
+    }
+    if (stop && ring->inflight() == 0) break;
+
+    // Hand over follow-ups and wake re-arms, wait for completions (or a wake-up from
+    // submit()/shutdown()), in one io_uring_enter where possible.
+    ring->submit_and_reap(done);
+    if (!done.empty()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (Job* j : done) {
+        finished_.push_back(make_finished(*j));
+        --outstanding_;
+        stats_.jobs_finished++;
+        active.erase(std::find_if(active.begin(), active.end(),
+                                  [j](const std::unique_ptr<Job>& p) { return p.get() == j; }));
+      }
+      done.clear();
+      done_cv_.notify_all();
+    }
+  }
+}
+
+std::vector<FinishedJob> Engine::poll() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<FinishedJob> out;
+  out.swap(finished_);
+  return out;
+}
+
+bool Engine::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto ready = [this] { return !finished_.empty() || outstanding_ == 0; };
+  if (timeout_s < 0)
+    done_cv_.wait(lk, ready);
+  else
+    done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready);
+  return !finished_.empty();
+}
+
+void Engine::drain() {
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [this] { return outstanding_ == 0; });
+}
+
+size_t Engine::pending_jobs() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return outstanding_;
+}
+
+// ---------------------------------------------------------------------------- probe
+
+DirectProbe probe_direct(const std::string& dir) {
+  DirectProbe out;
+  std::string path = dir + "/.pykvtier-direct-probe-" + std::to_string(getpid());
+  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    int err = errno;
+    out.reason = std::string("open(O_DIRECT) failed: ") + std::strerror(err);
+    if (err != EINVAL) {
+      // Not an O_DIRECT refusal: e.g. the directory does not exist or is not writable.
+      throw_errno(("cannot create a file in " + dir).c_str(), err);
+    }
+    return out;
+  }
+#ifdef STATX_DIOALIGN
+  struct statx stx {};
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
+      stx.stx_dio_mem_align > 0) {
+    out.mem_align = stx.stx_dio_mem_align;
+    out.offset_align = stx.stx_dio_offset_align;
+    out.dioalign_from_statx = true;
+  }
+#endif
+  void* buf = nullptr;
+  size_t unit = std::max<size_t>(4096, out.offset_align);
+  if (posix_memalign(&buf, std::max<size_t>(4096, out.mem_align), unit) == 0) {
+    std::memset(buf, 0, unit);
+    ssize_t w = ::pwrite(fd, buf, unit, 0);
+    if (w == ssize_t(unit)) {
+      out.direct = true;
+      out.reason = "ok";
+    } else {
+      out.reason = std::string("aligned O_DIRECT write failed: ") +
+                   (w < 0 ? std::strerror(errno) : "short write");
+    }
+    free(buf);
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  return out;
+}
+
+}  // namespace pykvtier

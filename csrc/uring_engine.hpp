@@ -1,0 +1,212 @@
+// The io_uring data path of pykvtier: batched block I/O over one ring per
+// submitting thread. No Python objects here (see bindings.cpp).
+//
+// A job is a batch of requests of one kind (Op). Each request opens its file
+// inside the ring into a fixed-file slot, moves its bytes and closes the slot,
+// as one chain of SQEs; a job's requests are prepared together and handed to the
+// kernel with one io_uring_submit where the ring has room. Results are per
+// request: bytes moved, -errno, or one of the kErr* codes of block_format.hpp.
+#pragma once
+
+#include <liburing.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "block_format.hpp"
+
+namespace pykvtier {
+
+enum class Op : uint8_t {
+  Read,        // read [offset, offset+length) of path into addr
+  Write,       // write addr into path at offset (in place, or tmp + rename when target set)
+  ReadBlock,   // read a block file: header checked, payload (length bytes) into addr
+  WriteBlock,  // write a block file to path (a temporary), then rename to target
+  Unlink,      // remove path
+};
+
+const char* op_name(Op op);
+bool op_is_write(Op op);
+
+struct Request {
+  std::string path;
+  std::string target;  // writes: rename path -> target (RENAME_NOREPLACE) once written
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t addr = 0;
+  uint8_t digest[kDigestBytes] = {};
+  int64_t result = 0;
+};
+
+struct Job {
+  uint64_t id = 0;
+  Op op = Op::Read;
+  bool direct = true;
+  bool fsync = false;
+  std::vector<Request> reqs;
+  size_t next = 0;  // next request to issue
+  size_t done = 0;  // requests finished
+  uint32_t submits = 0;
+  double submit_time = 0, start_time = 0, end_time = 0;  // CLOCK_MONOTONIC seconds
+};
+
+struct FinishedJob {
+  uint64_t id;
+  Op op;
+  std::vector<int64_t> results;
+  uint32_t submits;
+  double queued_s;    // submit -> first SQE handed to the kernel
+  double transfer_s;  // first SQE -> last completion
+};
+
+struct EngineConfig {
+  unsigned queue_depth = 64;                 // requests in flight per ring
+  uint64_t max_inflight_bytes = 256ull << 20;  // payload bytes in flight per ring
+  unsigned workers = 1;                      // background rings for submit()
+};
+
+struct EngineStats {
+  std::atomic<uint64_t> submits{0}, sqes{0}, cqes{0};
+  std::atomic<uint64_t> jobs_submitted{0}, jobs_finished{0};
+  std::atomic<uint64_t> requests_ok{0}, requests_failed{0};
+  std::atomic<uint64_t> bytes_read{0}, bytes_written{0};
+  std::atomic<uint64_t> fixed_buffer_ios{0}, verify_failures{0}, rename_existing{0};
+};
+
+struct BufferRegion {
+  uint64_t addr;
+  uint64_t len;
+};
+
+class Engine;
+
+// One io_uring with its fixed-file table, header buffers and registered buffers.
+// Used by exactly one thread.
+class Ring {
+ public:
+  Ring(Engine& engine, unsigned depth, int wake_fd);
+  ~Ring();
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+
+  // Prepares as many of job's pending requests as fit; returns how many.
+  unsigned issue(Job& job);
+  // Hands prepared SQEs to the kernel (one io_uring_submit); waits for wait_nr CQEs.
+  void submit(unsigned wait_nr);
+  // Waits for at least one CQE (if anything is in flight), then handles all ready CQEs.
+  // Jobs whose last request finished are appended to finished.
+  void reap(bool wait, std::vector<Job*>& finished);
+  // submit(1) then reap whatever is ready, or a plain waiting reap when nothing is prepared.
+  void submit_and_reap(std::vector<Job*>& finished);
+  void sync_buffers();  // re-register the engine's fixed buffers if they changed (idle only)
+
+  unsigned inflight() const { return inflight_; }
+  bool has_capacity(uint64_t len) const;
+  bool has_unsubmitted() const { return unsubmitted_ > 0; }
+
+ private:
+  struct Ctx {
+    Job* job = nullptr;
+    uint32_t index = 0;
+    uint8_t pending = 0;
+    uint8_t phase = 0;  // 0 main chain, 1 rename, 2 cleanup unlink
+    int64_t err = 0;
+    int err_stage = 99;
+    uint64_t moved = 0;
+    char* header = nullptr;
+  };
+  io_uring_sqe* get_sqe();
+  void prep_chain(uint32_t slot);
+  void prep_followup(uint32_t slot, uint8_t phase);
+  void on_cqe(uint64_t user_data, int32_t res, uint32_t flags, std::vector<Job*>& finished);
+  void finish(uint32_t slot, std::vector<Job*>& finished);
+  void record_error(Ctx& c, int stage, int64_t err);
+  void arm_wake();
+  int fixed_index(uint64_t addr, uint64_t len) const;
+
+  Engine& engine_;
+  io_uring ring_{};
+  unsigned depth_;
+  int wake_fd_;
+  std::vector<Ctx> ctx_;
+  std::vector<uint32_t> free_slots_;
+  char* headers_ = nullptr;
+  unsigned inflight_ = 0;
+  uint64_t inflight_bytes_ = 0;
+  unsigned unsubmitted_ = 0;
+  unsigned wake_sqes_ = 0;
+  uint64_t buffers_generation_ = 0;
+  std::vector<BufferRegion> buffers_;
+};
+
+class Engine {
+ public:
+  explicit Engine(EngineConfig cfg);
+  ~Engine();
+
+  // Synchronous batch on the calling thread's own ring. Caller must not hold the GIL.
+  std::vector<int64_t> run(Job& job);
+  // Queues a job for the background rings; returns at once.
+  void submit(std::unique_ptr<Job> job);
+  // Finished jobs since the last call (each job exactly once).
+  std::vector<FinishedJob> poll();
+  // Blocks until a finished job is available or nothing is pending, or timeout (<0: none).
+  // Returns true if a finished job is available.
+  bool wait(double timeout_s);
+  // Blocks until every submitted job has finished (results stay available to poll()).
+  void drain();
+  void shutdown();
+
+  unsigned register_buffer(uint64_t addr, uint64_t len);
+  void unregister_buffers();
+  std::vector<BufferRegion> buffers(uint64_t* generation) const;
+
+  const EngineConfig& config() const { return cfg_; }
+  EngineStats& stats() { return stats_; }
+  size_t pending_jobs();
+
+ private:
+  void worker_main(unsigned idx);
+
+  EngineConfig cfg_;
+  EngineStats stats_;
+  mutable std::mutex buf_mu_;
+  std::vector<BufferRegion> buffers_;
+  uint64_t buffers_generation_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable done_cv_;
+  std::deque<std::unique_ptr<Job>> loads_, stores_;  // loads have priority
+  std::vector<FinishedJob> finished_;
+  size_t outstanding_ = 0;  // submitted and not yet finished
+  bool stopping_ = false;
+  std::vector<int> wake_fds_;
+  std::vector<std::thread> workers_;
+
+  std::mutex rings_mu_;
+  std::unordered_map<std::thread::id, std::unique_ptr<Ring>> sync_rings_;
+};
+
+struct DirectProbe {
+  bool direct = false;
+  uint32_t mem_align = 4096;
+  uint32_t offset_align = 4096;
+  bool dioalign_from_statx = false;
+  std::string reason;
+};
+// Probes whether dir's file system takes O_DIRECT, and its alignment (statx STATX_DIOALIGN
+// where the kernel reports it, else 4096).
+DirectProbe probe_direct(const std::string& dir);
+
+double monotonic_seconds();
+FinishedJob make_finished(Job& job);
+
+}  // namespace pykvtier
