@@ -1,0 +1,707 @@
+"""DiskTier: the engine-agnostic secondary tier (phase 1 lookup, phase 2 load/store).
+
+Thread rules: a DiskTier is not thread-safe; call it from one thread at a time (an engine's
+scheduler). It never blocks in :meth:`lookup`, :meth:`submit_load`, :meth:`submit_store`,
+:meth:`get_finished_jobs` or :meth:`on_step_end`; the I/O runs on the C++ engine's own rings
+and threads. :meth:`wait`, :meth:`drain` and :meth:`shutdown` block, with the GIL released.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _native
+from .buffers import Arena, as_arena
+from .layout import HEADER_BYTES, Layout, key_digest
+from .probe import ExistenceProbe
+
+__all__ = ["DiskTier", "JobResult", "LookupResult", "TransferJob"]
+
+logger = logging.getLogger("pykvtier")
+
+
+class LookupResult(enum.Enum):
+    """Phase-1 answer, with the names of vLLM's ``LookupResult`` (vllm.v1.kv_offload.base).
+
+    HIT: on disk, whole, loadable now. MISS: not here (absent, a probe found nothing, or a load
+    of it failed). RETRY: ask again next step (probe in flight, or the block is being written).
+    HIT_PENDING: a load of it is already in flight; do not start a second one.
+    """
+
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2
+    RETRY = 3
+
+
+@dataclass
+class TransferJob:
+    """A batch of keys moved together, as vLLM's ``TransferJob``.
+
+    ``keys[i]`` moves to/from arena slot ``slot_ids[i]`` (bytes
+    ``[slot * slot_bytes, (slot + 1) * slot_bytes)`` of the arena). ``job_id`` is the caller's;
+    it must not be reused while the job is in flight.
+    """
+
+    job_id: int
+    keys: Sequence[bytes]
+    slot_ids: Sequence[int]
+
+
+@dataclass
+class JobResult:
+    """A finished job, reported once by :meth:`DiskTier.get_finished_jobs`.
+
+    ``success``: every key succeeded. ``successful_keys``: on partial failure the keys that
+    succeeded, else None (all share ``success``), as vLLM's ``JobResult``. ``failed_keys``: key ->
+    reason. ``transfer_time``: seconds from the first SQE to the last completion.
+    ``transfer_bytes``: payload bytes moved.
+    """
+
+    job_id: int
+    success: bool
+    successful_keys: list[bytes] | None = None
+    transfer_time: float | None = None
+    transfer_bytes: int | None = None
+    is_load: bool = True
+    failed_keys: dict[bytes, str] = field(default_factory=dict)
+    submits: int = 0
+
+
+class _State(enum.Enum):
+    PRESENT = 1
+    WRITING = 2
+    REMOVING = 3
+
+
+@dataclass
+class _Entry:
+    state: _State
+    readers: int = 0  # loads in flight reading this block
+
+
+@dataclass
+class _Pending:
+    """A caller's job on its way through the engine."""
+
+    job: TransferJob
+    is_load: bool
+    keys: list[bytes]  # keys handed to the engine, in entry order
+    digests: list[bytes]
+    done: dict[bytes, str | None]  # keys settled before the engine: None = ok, str = failure
+
+
+_ERR_TEXT = {
+    _native.ERR_SHORT: "block file is truncated (short read)",
+    _native.ERR_BAD_HEADER: "block header is corrupt (magic, version or header checksum)",
+    _native.ERR_KEY_MISMATCH: "block file belongs to another key",
+    _native.ERR_LENGTH: "block file has another payload length",
+    _native.ERR_CHECKSUM: "payload checksum mismatch (corrupt bytes)",
+}
+_CORRUPT = set(_ERR_TEXT)
+_INTERNAL_JOB = 1 << 62  # engine job ids of the tier's own jobs (evictions)
+
+
+def _describe(res: int) -> str:
+    if res in _ERR_TEXT:
+        return _ERR_TEXT[res]
+    return f"{errno.errorcode.get(-res, str(-res))}: {os.strerror(-res)}"
+
+
+def _as_key(key: Any) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    raise TypeError(f"key must be bytes, not {type(key).__name__}")
+
+
+class DiskTier:
+    """A secondary KV-cache tier on a POSIX directory, loaded and stored through io_uring.
+
+    Args:
+        root_dir: directory of the tier (created if missing). Several processes may share it
+            (``shared=True``): blocks are content-addressed, written under temporary names and
+            renamed into place.
+        block_size_bytes: payload bytes per block (e.g. 2 MiB = 16 tokens of Llama-3-8B bf16).
+            A block file is this plus a 4096-byte header.
+        capacity_bytes: limit on block file bytes; least recently used blocks are evicted to
+            make room (never one that a load is reading). None: no limit.
+        shared: keys the index does not know may have been written by another process: they are
+            probed (asynchronously, RETRY meanwhile) instead of answered MISS.
+        direct: use O_DIRECT. None: where the file system accepts it (probed once); a buffered
+            fallback is logged and counted in ``stats()["direct_fallbacks"]``.
+        queue_depth: block requests in flight in the engine.
+        max_inflight_bytes: payload bytes in flight in the engine.
+        probe_ttl_s: how long a probe's "not found" stays a MISS before it is probed again.
+        fsync: fdatasync each block before it is renamed into place.
+        arena: optional host arena (see :meth:`set_arena`).
+
+    Raises ValueError for a bad block size, an unusable root, or io_uring being unavailable.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        block_size_bytes: int,
+        *,
+        capacity_bytes: int | None = None,
+        shared: bool = False,
+        direct: bool | None = None,
+        queue_depth: int = 64,
+        max_inflight_bytes: int = 256 << 20,
+        probe_ttl_s: float = 1.0,
+        fsync: bool = False,
+        engine: str = "auto",
+        arena: Any = None,
+    ) -> None:
+        if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
+            raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
+        if capacity_bytes is not None and capacity_bytes < block_size_bytes + HEADER_BYTES:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} cannot hold one block "
+                f"({block_size_bytes + HEADER_BYTES} bytes with its header)"
+            )
+        if engine not in ("auto", "uring"):
+            raise ValueError(f"unknown engine {engine!r}: expected 'auto' or 'uring'")
+        self.block_size_bytes = block_size_bytes
+        self.file_bytes = block_size_bytes + HEADER_BYTES
+        self.capacity_bytes = capacity_bytes
+        self.shared = shared
+        self.fsync = fsync
+        self.probe_ttl_s = probe_ttl_s
+        self.layout = Layout(root_dir)
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "lookups", "hits", "misses", "retries", "hit_pending",
+                "loads_submitted", "stores_submitted", "stores_skipped_present",
+                "blocks_loaded", "blocks_stored", "bytes_loaded", "bytes_stored",
+                "load_failures", "store_failures", "verify_failures", "quarantined",
+                "evictions", "eviction_failures", "capacity_rejections", "probes",
+                "probe_hits", "stale_temporaries_removed", "direct_fallbacks",
+                "blocks_of_other_size",
+            ),
+            0,
+        )
+
+        dio = _native.probe_direct(self.layout.blocks_dir)
+        self.align = max(4096, int(dio["offset_align"]))
+        self.mem_align = max(4096, int(dio["mem_align"]))
+        if direct is None:
+            direct = bool(dio["direct"]) and block_size_bytes % self.align == 0
+            if not direct:
+                why = dio["reason"] if not dio["direct"] else (
+                    f"block_size_bytes={block_size_bytes} is not a multiple of {self.align}")
+                logger.warning("pykvtier: O_DIRECT not used at %s (%s); buffered I/O instead",
+                               self.layout.root, why)
+                self._stats["direct_fallbacks"] += 1
+        elif direct and not dio["direct"]:
+            raise ValueError(f"direct=True but {self.layout.root} refuses O_DIRECT: {dio['reason']}")
+        self.direct = direct
+
+        self._engine = _native.Engine(
+            queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes, workers=1)
+        self._probe = ExistenceProbe(entries=256) if shared else None
+
+        self._index: dict[bytes, _Entry] = {}  # digest -> entry
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # PRESENT digests, oldest first
+        self._used_bytes = 0  # file bytes of PRESENT + WRITING + REMOVING blocks
+        self._loading: dict[bytes, int] = {}  # digest -> loads in flight
+        self._failed: set[bytes] = set()  # digests whose load failed: MISS until stored again
+        self._probe_wanted: set[bytes] = set()
+        self._probing: set[bytes] = set()
+        self._probe_misses: dict[bytes, float] = {}  # digest -> time the MISS expires
+        self._pending: dict[int, _Pending] = {}  # engine job id -> caller job
+        self._evicting: dict[int, list[bytes]] = {}  # engine job id -> digests being removed
+        self._ready: list[JobResult] = []  # results settled without the engine
+        self._job_ids: set[int] = set()  # caller job ids in flight
+        self._next_engine_job = 1
+        self._arena: Arena | None = None
+        self._closed = False
+        self._scan()
+        if arena is not None:
+            self.set_arena(arena)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _scan(self) -> None:
+        """Rebuilds the index from the blocks on disk and removes stale temporaries."""
+        found: list[tuple[float, bytes]] = []
+        now = time.time()
+        for sub in sorted(os.listdir(self.layout.blocks_dir)):
+            d = os.path.join(self.layout.blocks_dir, sub)
+            try:
+                it = os.scandir(d)
+            except NotADirectoryError:
+                continue
+            with it:
+                for de in it:
+                    digest = Layout.digest_from_name(de.name)
+                    if digest is not None:
+                        st = de.stat()
+                        if st.st_size != self.file_bytes:
+                            self._stats["blocks_of_other_size"] += 1
+                            continue
+                        found.append((st.st_mtime, digest))
+                        continue
+                    owner = Layout.tmp_owner(de.name)
+                    if owner is not None and self._stale_tmp(owner, de, now):
+                        try:
+                            os.unlink(de.path)
+                            self._stats["stale_temporaries_removed"] += 1
+                        except FileNotFoundError:
+                            pass
+        if self._stats["blocks_of_other_size"]:
+            logger.warning("pykvtier: %d block files at %s have another size than %d bytes; "
+                           "left alone, not indexed", self._stats["blocks_of_other_size"],
+                           self.layout.root, self.file_bytes)
+        found.sort()
+        for _, digest in found:
+            self._index[digest] = _Entry(_State.PRESENT)
+            self._lru[digest] = None
+        self._used_bytes = len(found) * self.file_bytes
+        if self.capacity_bytes is not None and self._used_bytes > self.capacity_bytes:
+            self._evict(self._used_bytes - self.capacity_bytes)
+
+    @staticmethod
+    def _stale_tmp(owner: int, de: os.DirEntry, now: float) -> bool:
+        if owner <= 0 or owner == os.getpid():
+            return True
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        try:
+            return now - de.stat().st_mtime > 3600  # a live writer never takes an hour
+        except FileNotFoundError:
+            return False
+
+    def set_arena(self, buffer: Any, slot_bytes: int | None = None) -> Arena:
+        """Sets the host arena that jobs' ``slot_ids`` index, and registers it as io_uring fixed
+        buffers. ``buffer``: numpy array, buffer-protocol object or CPU torch tensor, writable,
+        page-aligned; ``slot_bytes`` (default ``block_size_bytes``) >= block_size_bytes.
+        Raises ValueError (naming address and alignment) for misaligned or read-only memory.
+        Call only while no job is in flight."""
+        if self._pending:
+            raise RuntimeError("set_arena() while jobs are in flight")
+        arena = as_arena(buffer, slot_bytes if slot_bytes is not None else self.block_size_bytes)
+        if arena.readonly:
+            raise ValueError("arena is read-only: loads must write into it")
+        if arena.slot_bytes < self.block_size_bytes:
+            raise ValueError(f"arena slots of {arena.slot_bytes} bytes are smaller than a block "
+                             f"({self.block_size_bytes} bytes)")
+        if self.direct:
+            for what, v in (("address", arena.addr), ("slot stride", arena.slot_bytes)):
+                if v % self.mem_align:
+                    raise ValueError(
+                        f"arena {what} {hex(v) if what == 'address' else v} is not a multiple of "
+                        f"{self.mem_align} bytes, the alignment O_DIRECT needs at "
+                        f"{self.layout.root}; use page-aligned memory")
+        self._engine.unregister_buffers()
+        self._engine.register_buffer(arena.addr, arena.nbytes)
+        self._arena = arena
+        return arena
+
+    # ------------------------------------------------------------------ phase 1
+
+    def lookup(self, key: bytes) -> LookupResult:
+        """Is ``key``'s block here? Never blocks (microseconds); see :class:`LookupResult`.
+        Semantics as DESIGN.md's table and vLLM's SecondaryTierManager.lookup, plus HIT_PENDING
+        for a block whose load is in flight."""
+        digest = key_digest(_as_key(key))
+        if self._probing:
+            self._apply_probes()
+        r = self._lookup_digest(digest)
+        self._stats["lookups"] += 1
+        self._stats[{LookupResult.HIT: "hits", LookupResult.MISS: "misses",
+                     LookupResult.RETRY: "retries", LookupResult.HIT_PENDING: "hit_pending"}[r]] += 1
+        return r
+
+    def _lookup_digest(self, digest: bytes) -> LookupResult:
+        if digest in self._loading:
+            return LookupResult.HIT_PENDING
+        if digest in self._failed:
+            return LookupResult.MISS
+        e = self._index.get(digest)
+        if e is not None:
+            if e.state is _State.PRESENT:
+                return LookupResult.HIT
+            if e.state is _State.WRITING:
+                return LookupResult.RETRY
+            return LookupResult.MISS  # being removed
+        if not self.shared:
+            return LookupResult.MISS
+        if digest in self._probing or digest in self._probe_wanted:
+            return LookupResult.RETRY
+        expiry = self._probe_misses.get(digest)
+        if expiry is not None:
+            if time.monotonic() < expiry:
+                return LookupResult.MISS
+            del self._probe_misses[digest]
+        self._probe_wanted.add(digest)
+        return LookupResult.RETRY
+
+    def on_step_end(self) -> None:
+        """Once per scheduler step: submits the existence probes gathered since the last step
+        (one batch of statx SQEs, one io_uring_submit) and applies finished ones."""
+        if self._probe is None:
+            return
+        if self._probing:
+            self._apply_probes()
+        if self._probe_wanted:
+            batch = [(d, self.layout.block_path(d)) for d in self._probe_wanted]
+            self._probing.update(self._probe_wanted)
+            self._probe_wanted.clear()
+            self._stats["probes"] += len(batch)
+            self._probe.submit(batch)
+            self._apply_probes()
+
+    def _apply_probes(self) -> None:
+        now = time.monotonic()
+        for digest, size, _err in self._probe.poll():
+            self._probing.discard(digest)
+            if digest in self._index:
+                continue
+            if size == self.file_bytes and digest not in self._failed:
+                self._index[digest] = _Entry(_State.PRESENT)
+                self._lru[digest] = None
+                self._used_bytes += self.file_bytes
+                self._stats["probe_hits"] += 1
+            else:
+                self._probe_misses[digest] = now + self.probe_ttl_s
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Marks blocks as recently used (eviction order)."""
+        for k in keys:
+            d = key_digest(_as_key(k))
+            if d in self._lru:
+                self._lru.move_to_end(d)
+
+    # ------------------------------------------------------------------ phase 2
+
+    def _check_job(self, job: TransferJob) -> list[bytes]:
+        if self._closed:
+            raise RuntimeError("DiskTier is shut down")
+        if self._arena is None:
+            raise RuntimeError("no arena: call set_arena() first")
+        if job.job_id in self._job_ids:
+            raise ValueError(f"job_id {job.job_id} is already in flight")
+        keys = [_as_key(k) for k in job.keys]
+        if len(keys) != len(job.slot_ids):
+            raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(job.slot_ids)} slot_ids")
+        n = self._arena.num_slots
+        for s in job.slot_ids:
+            if not 0 <= int(s) < n:
+                raise ValueError(f"job {job.job_id}: slot {int(s)} outside the arena (0..{n - 1})")
+        return keys
+
+    def submit_load(self, job: TransferJob) -> None:
+        """Loads ``job.keys`` into their arena slots. Returns at once; the result comes from
+        :meth:`get_finished_jobs`. A key that is not a HIT fails (reported per key) without I/O.
+        Raises ValueError/TypeError for a malformed job (nothing is submitted then)."""
+        keys = self._check_job(job)
+        pend = _Pending(job, True, [], [], {})
+        entries = []
+        for key, slot in zip(keys, job.slot_ids):
+            digest = key_digest(key)
+            e = self._index.get(digest)
+            if e is None or e.state is not _State.PRESENT or digest in self._failed:
+                pend.done[key] = "not in the tier" if e is None else f"block is {e.state.name.lower()}"
+                continue
+            e.readers += 1
+            self._loading[digest] = self._loading.get(digest, 0) + 1
+            self._lru.move_to_end(digest)
+            pend.keys.append(key)
+            pend.digests.append(digest)
+            entries.append((self.layout.block_path(digest), self.block_size_bytes,
+                            self._arena.slot_addr(int(slot)), digest))
+        self._stats["loads_submitted"] += 1
+        self._dispatch(pend, "read_block", entries)
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Stores the arena slots of ``job.keys``. Returns at once. Keys already present (or
+        being written) are skipped and count as stored; eviction makes room when
+        ``capacity_bytes`` is set; a key that cannot get room fails (reported per key)."""
+        keys = self._check_job(job)
+        pend = _Pending(job, False, [], [], {})
+        entries = []
+        seen: set[bytes] = set()
+        for key, slot in zip(keys, job.slot_ids):
+            digest = key_digest(key)
+            e = self._index.get(digest)
+            if e is not None:
+                if e.state is _State.REMOVING:
+                    pend.done[key] = "block is being evicted"
+                else:
+                    pend.done[key] = None
+                    self._stats["stores_skipped_present"] += 1
+                continue
+            if digest in seen:
+                pend.done[key] = None  # the same key twice in one job
+                continue
+            seen.add(digest)
+            if not self._reserve():
+                pend.done[key] = "no capacity: every block is in use"
+                self._stats["capacity_rejections"] += 1
+                continue
+            self._index[digest] = _Entry(_State.WRITING)
+            self._failed.discard(digest)
+            self._probe_misses.pop(digest, None)
+            pend.keys.append(key)
+            pend.digests.append(digest)
+            entries.append((self.layout.tmp_path(digest), self.layout.block_path(digest),
+                            self.block_size_bytes, self._arena.slot_addr(int(slot)), digest))
+        self._stats["stores_submitted"] += 1
+        self._dispatch(pend, "write_block", entries)
+
+    def _dispatch(self, pend: _Pending, op: str, entries: list) -> None:
+        job_id = pend.job.job_id
+        if not entries:
+            self._ready.append(self._result(pend, [], 0.0, 0))
+            return
+        eid = self._next_engine_job
+        self._next_engine_job += 1
+        try:
+            self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
+                                mem_align=self.mem_align, fsync=self.fsync)
+        except Exception:
+            self._settle(pend, [-errno.EIO] * len(entries))  # undo the bookkeeping
+            raise
+        self._pending[eid] = pend
+        self._job_ids.add(job_id)
+
+    def _reserve(self) -> bool:
+        """Makes room for one block file; False if capacity is exhausted by blocks in use."""
+        if self.capacity_bytes is None or self._used_bytes + self.file_bytes <= self.capacity_bytes:
+            self._used_bytes += self.file_bytes
+            return True
+        self._evict(self._used_bytes + self.file_bytes - self.capacity_bytes)
+        if self._used_bytes + self.file_bytes <= self.capacity_bytes:
+            self._used_bytes += self.file_bytes
+            return True
+        return False
+
+    def _evict(self, need_bytes: int) -> None:
+        """Removes least recently used blocks not being read until need_bytes are freed.
+        The files are unlinked asynchronously by the engine; their bytes count as used until then
+        is not needed: the name is gone from the index at once and rewrites wait for the unlink."""
+        victims: list[bytes] = []
+        freed = 0
+        for digest in self._lru:
+            if freed >= need_bytes:
+                break
+            if self._index[digest].readers or digest in self._loading:
+                continue
+            victims.append(digest)
+            freed += self.file_bytes
+        if not victims:
+            return
+        for d in victims:
+            del self._lru[d]
+            self._index[d].state = _State.REMOVING
+        self._used_bytes -= freed
+        self._unlink_async(victims)
+        self._stats["evictions"] += len(victims)
+
+    def _unlink_async(self, digests: list[bytes]) -> None:
+        """Removes block files through the engine (a store-priority job)."""
+        if not digests:
+            return
+        eid = _INTERNAL_JOB + self._next_engine_job
+        self._next_engine_job += 1
+        self._engine.submit(eid, "unlink", [self.layout.block_path(d) for d in digests])
+        self._evicting[eid] = digests
+
+    # ------------------------------------------------------------------ completion
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Jobs finished since the last call, each exactly once. Never blocks."""
+        out = self._ready
+        self._ready = []
+        for eid, _op, results, submits, _queued, transfer_s in self._engine.poll():
+            if eid in self._evicting:
+                self._finish_eviction(eid, results)
+                continue
+            pend = self._pending.pop(eid)
+            out.append(self._settle(pend, results, transfer_s, submits))
+        if self._probing:
+            self._apply_probes()
+        return out
+
+    def _finish_eviction(self, eid: int, results: list[int]) -> None:
+        for digest, res in zip(self._evicting.pop(eid), results):
+            if res < 0 and res != -errno.ENOENT:
+                self._stats["eviction_failures"] += 1
+                logger.warning("pykvtier: evicting %s failed: %s", self.layout.block_path(digest),
+                               _describe(res))
+            e = self._index.get(digest)
+            if e is not None and e.state is _State.REMOVING:
+                del self._index[digest]
+
+    def _settle(self, pend: _Pending, results: list[int], transfer_s: float = 0.0,
+                submits: int = 0) -> JobResult:
+        self._job_ids.discard(pend.job.job_id)
+        for key, digest, res in zip(pend.keys, pend.digests, results):
+            ok = res >= 0
+            if pend.is_load:
+                n = self._loading[digest] - 1
+                if n:
+                    self._loading[digest] = n
+                else:
+                    del self._loading[digest]
+                e = self._index.get(digest)
+                if e is not None:
+                    e.readers -= 1
+                if ok:
+                    self._stats["blocks_loaded"] += 1
+                    self._stats["bytes_loaded"] += res
+                else:
+                    self._stats["load_failures"] += 1
+                    self._load_failed(digest, res)
+                if digest in self._failed:
+                    self._drop_failed(digest)
+            else:
+                if ok:
+                    self._index[digest].state = _State.PRESENT
+                    self._lru[digest] = None
+                    self._stats["blocks_stored"] += 1
+                    self._stats["bytes_stored"] += res
+                else:
+                    self._stats["store_failures"] += 1
+                    del self._index[digest]
+                    self._used_bytes -= self.file_bytes
+                    logger.warning("pykvtier: storing %s failed: %s",
+                                   self.layout.block_path(digest), _describe(res))
+            pend.done[key] = None if ok else _describe(res)
+        return self._result(pend, results, transfer_s, submits)
+
+    def _result(self, pend: _Pending, results: list[int], transfer_s: float, submits: int) -> JobResult:
+        self._job_ids.discard(pend.job.job_id)
+        keys = [_as_key(k) for k in pend.job.keys]
+        failed = {k: pend.done[k] for k in keys if pend.done.get(k) is not None}
+        ok_keys = [k for k in keys if k not in failed]
+        success = not failed
+        return JobResult(
+            job_id=pend.job.job_id,
+            success=success,
+            successful_keys=None if success or not ok_keys else ok_keys,
+            transfer_time=transfer_s,
+            transfer_bytes=sum(r for r in results if r > 0),
+            is_load=pend.is_load,
+            failed_keys=failed,
+            submits=submits,
+        )
+
+    def _load_failed(self, digest: bytes, res: int) -> None:
+        """A load failed: the key is a MISS from now on; a corrupt file is quarantined."""
+        self._failed.add(digest)
+        path = self.layout.block_path(digest)
+        if res in _CORRUPT:
+            self._stats["verify_failures"] += 1
+            try:
+                os.rename(path, self.layout.quarantine_path(digest, time.time_ns()))
+                self._stats["quarantined"] += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("pykvtier: cannot quarantine %s: %s", path, exc)
+            logger.warning("pykvtier: %s failed verification (%s); quarantined", path, _describe(res))
+        else:
+            logger.warning("pykvtier: loading %s failed: %s", path, _describe(res))
+            e = self._index.get(digest)
+            if res != -errno.ENOENT and e is not None and e.state is _State.PRESENT and not e.readers:
+                # The file is still there but unreadable: remove it (bytes freed at once).
+                e.state = _State.REMOVING
+                self._lru.pop(digest, None)
+                self._used_bytes -= self.file_bytes
+                self._unlink_async([digest])
+        self._drop_failed(digest)
+
+    def _drop_failed(self, digest: bytes) -> None:
+        """Forgets a failed block once no load reads it any more."""
+        e = self._index.get(digest)
+        if e is None or e.state is not _State.PRESENT or e.readers:
+            return
+        del self._index[digest]
+        self._lru.pop(digest, None)
+        self._used_bytes -= self.file_bytes
+
+    # ------------------------------------------------------------------ waiting, shutdown
+
+    def has_pending_work(self) -> bool:
+        """True while jobs, evictions or probes are in flight or results wait to be collected."""
+        return bool(self._pending or self._evicting or self._ready or self._probing
+                    or self._probe_wanted)
+
+    def wait(self, timeout_s: float | None = None) -> list[JobResult]:
+        """Blocks (GIL released) until at least one job finished or nothing is pending, or
+        timeout_s seconds; returns the finished jobs as :meth:`get_finished_jobs`."""
+        if not self._ready:
+            self._engine.wait(timeout_s)
+        return self.get_finished_jobs()
+
+    def drain(self) -> None:
+        """Blocks until every submitted job and eviction finished (results stay available to
+        :meth:`get_finished_jobs`) and in-flight probes were applied. Never aborts I/O."""
+        self._engine.drain()
+        if self._probe is not None and self._probing:
+            for digest, size, err in self._probe.wait():
+                self._probing.discard(digest)
+                if size == self.file_bytes and digest not in self._index and digest not in self._failed:
+                    self._index[digest] = _Entry(_State.PRESENT)
+                    self._lru[digest] = None
+                    self._used_bytes += self.file_bytes
+                    self._stats["probe_hits"] += 1
+                elif digest not in self._index:
+                    self._probe_misses[digest] = time.monotonic() + self.probe_ttl_s
+
+    def shutdown(self) -> None:
+        """Finishes in-flight I/O, then releases the engine's threads, rings and descriptors and
+        the probe's ring. Idempotent."""
+        if self._closed:
+            return
+        self.drain()
+        self._closed = True
+        self._engine.shutdown()
+        if self._probe is not None:
+            self._probe.close()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ figures
+
+    @property
+    def used_bytes(self) -> int:
+        """Block file bytes present, being written or being removed (what capacity limits)."""
+        return self._used_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks present (loadable now)."""
+        return len(self._lru)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this tier and its engine (see the keys), plus ``used_bytes``."""
+        s = dict(self._stats)
+        eng = self._engine.stats()
+        s["submits"] = eng["submits"]
+        s["engine_sqes"] = eng["sqes"]
+        s["fixed_buffer_ios"] = eng["fixed_buffer_ios"]
+        s["used_bytes"] = self._used_bytes
+        s["blocks_present"] = len(self._lru)
+        s["direct"] = int(self.direct)
+        return s
