@@ -21,6 +21,7 @@ from typing import Any
 from . import _native
 from .buffers import Arena, as_arena
 from .layout import HEADER_BYTES, Layout, key_digest
+from .posix_engine import PosixEngine
 from .probe import ExistenceProbe
 
 __all__ = ["DiskTier", "JobResult", "LookupResult", "TransferJob"]
@@ -116,6 +117,19 @@ def _describe(res: int) -> str:
     return f"{errno.errorcode.get(-res, str(-res))}: {os.strerror(-res)}"
 
 
+def _make_engine(name: str, queue_depth: int, max_inflight_bytes: int) -> Any:
+    if name == "posix":
+        return PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+    try:
+        return _native.Engine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
+                              workers=1)
+    except ValueError as exc:  # io_uring refused (old kernel, seccomp, io_uring_disabled)
+        if name == "uring":
+            raise
+        logger.warning("pykvtier: %s; using the posix engine (preadv/pwritev thread pool)", exc)
+        return PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+
+
 def _as_key(key: Any) -> bytes:
     if isinstance(key, bytes):
         return key
@@ -143,6 +157,8 @@ class DiskTier:
         max_inflight_bytes: payload bytes in flight in the engine.
         probe_ttl_s: how long a probe's "not found" stays a MISS before it is probed again.
         fsync: fdatasync each block before it is renamed into place.
+        engine: "uring" (io_uring), "posix" (preadv/pwritev thread pool), or "auto": io_uring
+            where the kernel allows it, else posix, announced in the log.
         arena: optional host arena (see :meth:`set_arena`).
 
     Raises ValueError for a bad block size, an unusable root, or io_uring being unavailable.
@@ -170,8 +186,8 @@ class DiskTier:
                 f"capacity_bytes={capacity_bytes} cannot hold one block "
                 f"({block_size_bytes + HEADER_BYTES} bytes with its header)"
             )
-        if engine not in ("auto", "uring"):
-            raise ValueError(f"unknown engine {engine!r}: expected 'auto' or 'uring'")
+        if engine not in ("auto", "uring", "posix"):
+            raise ValueError(f"unknown engine {engine!r}: expected 'auto', 'uring' or 'posix'")
         self.block_size_bytes = block_size_bytes
         self.file_bytes = block_size_bytes + HEADER_BYTES
         self.capacity_bytes = capacity_bytes
@@ -207,8 +223,8 @@ class DiskTier:
             raise ValueError(f"direct=True but {self.layout.root} refuses O_DIRECT: {dio['reason']}")
         self.direct = direct
 
-        self._engine = _native.Engine(
-            queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes, workers=1)
+        self._engine = _make_engine(engine, queue_depth, max_inflight_bytes)
+        self.engine_name = "posix" if isinstance(self._engine, PosixEngine) else "uring"
         self._probe = ExistenceProbe(entries=256) if shared else None
 
         self._index: dict[bytes, _Entry] = {}  # digest -> entry

@@ -1,0 +1,271 @@
+"""The ``posix`` engine: plain ``preadv``/``pwritev`` from a small thread pool.
+
+For machines where io_uring is disabled (some containers' seccomp profiles refuse
+``io_uring_setup``). Same interface, entry tuples, results and block format as
+``pykvtier._native.Engine``, so :class:`~pykvtier.tier.DiskTier` uses either. The system calls
+release the GIL; checksums run in C (``_native.xxh3_64``, GIL released).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _native
+
+__all__ = ["PosixEngine"]
+
+_HEADER = struct.Struct("<8sIIQ16sQQ")
+_HB = _native.HEADER_BYTES
+_OPS = ("read", "write", "read_block", "write_block", "unlink")
+
+
+def _view(addr: int, n: int) -> memoryview:
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+
+
+def _aligned(n: int) -> memoryview:
+    raw = bytearray(n + 4096)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+    off = (-base) % 4096
+    return memoryview(raw)[off:off + n]
+
+
+class PosixEngine:
+    """Batched block I/O with one ``preadv``/``pwritev`` per request on ``threads`` threads.
+
+    Interface as ``pykvtier._native.Engine`` (see its docstring); ``queue_depth`` bounds requests
+    in flight. Thread-safe."""
+
+    def __init__(self, queue_depth: int = 64, max_inflight_bytes: int = 256 << 20,
+                 workers: int = 1, threads: int = 4) -> None:
+        self.queue_depth = queue_depth
+        self.max_inflight_bytes = max_inflight_bytes
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, queue_depth)),
+                                        thread_name_prefix="pykvtier-posix")
+        self._mu = threading.Condition()
+        self._finished: deque = deque()
+        self._outstanding = 0
+        self._closed = False
+        self._stats = dict.fromkeys(
+            ("submits", "sqes", "cqes", "jobs_submitted", "jobs_finished", "requests_ok",
+             "requests_failed", "bytes_read", "bytes_written", "fixed_buffer_ios",
+             "verify_failures", "rename_existing"), 0)
+
+    # --- the Engine interface ------------------------------------------------------------
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        return 0  # no fixed buffers without io_uring
+
+    def unregister_buffers(self) -> None:
+        pass
+
+    def run(self, op: str, entries, direct: bool = True, align: int = 4096, mem_align: int = 0,
+            fsync: bool = False) -> list[int]:
+        reqs = self._validate(op, entries, direct, align, mem_align or align)
+        with self._mu:
+            self._stats["jobs_submitted"] += 1
+        results = list(self._pool.map(lambda r: self._do(op, r, direct, fsync), reqs))
+        self._count(results)
+        return results
+
+    def submit(self, job_id: int, op: str, entries, direct: bool = True, align: int = 4096,
+               mem_align: int = 0, fsync: bool = False) -> None:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        reqs = self._validate(op, entries, direct, align, mem_align or align)
+        t0 = time.monotonic()
+        with self._mu:
+            self._outstanding += 1
+            self._stats["jobs_submitted"] += 1
+        if not reqs:
+            self._complete(job_id, op, [], t0)
+            return
+        results: list[int | None] = [None] * len(reqs)
+        left = [len(reqs)]
+
+        def one(i: int) -> None:
+            results[i] = self._do(op, reqs[i], direct, fsync)
+            with self._mu:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._complete(job_id, op, results, t0)
+
+        for i in range(len(reqs)):
+            self._pool.submit(one, i)
+
+    def poll(self) -> list[tuple]:
+        with self._mu:
+            out = list(self._finished)
+            self._finished.clear()
+        return out
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        with self._mu:
+            self._mu.wait_for(lambda: self._finished or self._outstanding == 0, timeout_s)
+            return bool(self._finished)
+
+    def drain(self) -> None:
+        with self._mu:
+            self._mu.wait_for(lambda: self._outstanding == 0)
+
+    def shutdown(self) -> None:
+        self.drain()
+        self._closed = True
+        self._pool.shutdown(wait=True)
+
+    def pending_jobs(self) -> int:
+        with self._mu:
+            return self._outstanding
+
+    def stats(self) -> dict[str, int]:
+        with self._mu:
+            return dict(self._stats)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _complete(self, job_id: int, op: str, results: list, t0: float) -> None:
+        self._count(results)
+        with self._mu:
+            self._finished.append((job_id, op, results, 0, 0.0, time.monotonic() - t0))
+            self._outstanding -= 1
+            self._stats["jobs_finished"] += 1
+            self._mu.notify_all()
+
+    def _count(self, results: list[int]) -> None:
+        with self._mu:
+            for r in results:
+                self._stats["requests_ok" if r >= 0 else "requests_failed"] += 1
+
+    @staticmethod
+    def _validate(op: str, entries, direct: bool, align: int, mem_align: int) -> list[tuple]:
+        if op not in _OPS:
+            raise ValueError(f"unknown op '{op}': expected one of {', '.join(_OPS)}")
+        reqs = []
+        for i, e in enumerate(entries):
+            if op == "unlink":
+                reqs.append((e if isinstance(e, str) else e[0],))
+                continue
+            e = tuple(e)
+            if op in ("read", "write"):
+                path, offset, length, addr = e[:4]
+                target = e[4] if len(e) == 5 and op == "write" else ""
+                r = (path, offset, length, addr, target, None)
+            elif op == "read_block":
+                path, length, addr, digest = e
+                offset, target = 0, ""
+                r = (path, 0, length, addr, "", digest)
+            else:
+                path, target, length, addr, digest = e
+                offset = 0
+                r = (path, 0, length, addr, target, digest)
+            if length <= 0:
+                raise ValueError(f"entry {i} ({path}): length is 0")
+            if direct:
+                if addr % mem_align:
+                    raise ValueError(f"entry {i} ({path}): host address {addr:#x} is not a multiple "
+                                     f"of {mem_align} bytes, the memory alignment O_DIRECT needs here")
+                if length % align or offset % align:
+                    raise ValueError(f"entry {i} ({path}): length/offset not a multiple of {align} "
+                                     "bytes, the O_DIRECT I/O alignment here")
+            reqs.append(r)
+        return reqs
+
+    def _do(self, op: str, r: tuple, direct: bool, fsync: bool) -> int:
+        try:
+            if op == "unlink":
+                os.unlink(r[0])
+                return 0
+            path, offset, length, addr, target, digest = r
+            block = digest is not None
+            flags = os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if direct else 0)
+            if op in ("read", "read_block"):
+                return self._read(path, offset, length, addr, digest, flags)
+            return self._write(path, offset, length, addr, target, digest if block else None,
+                               flags, fsync)
+        except OSError as exc:
+            return -(exc.errno or errno.EIO)
+
+    def _read(self, path, offset, length, addr, digest, flags) -> int:
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            dst = _view(addr, length)
+            if digest is None:
+                n = os.preadv(fd, [dst], offset)
+                return n if n == length else _native.ERR_SHORT
+            hdr = _aligned(_HB)
+            n = os.preadv(fd, [hdr, dst], 0)
+            if n != _HB + length:
+                return _native.ERR_SHORT
+        finally:
+            os.close(fd)
+        magic, version, hbytes, plen, kd, pxx, hxx = _HEADER.unpack_from(hdr)
+        if (magic != _native.MAGIC or version != _native.FORMAT_VERSION or hbytes != _HB
+                or _native.xxh3_64(hdr[: _HEADER.size - 8]) != hxx):
+            res = _native.ERR_BAD_HEADER
+        elif kd != digest:
+            res = _native.ERR_KEY_MISMATCH
+        elif plen != length:
+            res = _native.ERR_LENGTH
+        elif _native.xxh3_64(dst) != pxx:
+            res = _native.ERR_CHECKSUM
+        else:
+            with self._mu:
+                self._stats["bytes_read"] += length
+            return length
+        with self._mu:
+            self._stats["verify_failures"] += 1
+        return res
+
+    def _write(self, path, offset, length, addr, target, digest, flags, fsync) -> int:
+        src = _view(addr, length)
+        oflags = os.O_WRONLY | os.O_CREAT | flags | (os.O_EXCL if target else 0)
+        fd = os.open(path, oflags, 0o644)
+        try:
+            if digest is not None:
+                hdr = _aligned(_HB)
+                hdr[:] = bytes(_HB)
+                head = _HEADER.pack(_native.MAGIC, _native.FORMAT_VERSION, _HB, length, digest,
+                                    _native.xxh3_64(src), 0)
+                hdr[: _HEADER.size] = head[:-8] + struct.pack("<Q", _native.xxh3_64(head[:-8]))
+                n = os.pwritev(fd, [hdr, src], 0)
+                ok = n == _HB + length
+            else:
+                ok = os.pwritev(fd, [src], offset) == length
+            if ok and fsync:
+                os.fdatasync(fd)
+        except OSError:
+            os.close(fd)
+            if target:
+                _unlink_quiet(path)
+            raise
+        os.close(fd)
+        if not ok:
+            if target:
+                _unlink_quiet(path)
+            return -errno.ENOSPC
+        if target:
+            try:
+                os.link(path, target)  # never replaces an existing block
+            except FileExistsError:
+                with self._mu:
+                    self._stats["rename_existing"] += 1
+            finally:
+                _unlink_quiet(path)
+        with self._mu:
+            self._stats["bytes_written"] += length
+        return length
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up pykvtier on Debian/Ubuntu: system packages (liburing, xxHash, compilers, fio), then a
+# virtual environment at .venv with pykvtier built and installed with its test extras.
+# Idempotent; runs as root or through sudo. Usage: bash scripts/setup.sh [--editable]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+PKGS=(liburing-dev libxxhash-dev pkg-config build-essential python3-dev python3-venv fio)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+if [ "${1:-}" = "--editable" ]; then
+  .venv/bin/python -m pip install -q scikit-build-core pybind11 cffi ninja
+  .venv/bin/python -m pip install -q --no-build-isolation -e '.[test]'
+else
+  .venv/bin/python -m pip install -q '.[test]'
+fi
+.venv/bin/python -c "import pykvtier, pykvtier._native, pykvtier._uring; print('setup: pykvtier', pykvtier.__version__, 'ready in .venv')"
