@@ -229,21 +229,26 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
       .def(
           "run",
           [](Engine& e, const std::string& op, const py::sequence& entries, bool direct, uint32_t align,
-             uint32_t mem_align, bool fsync) {
+             uint32_t mem_align, bool fsync, bool latencies) -> py::object {
             auto job = make_job(0, op, entries, direct, align, mem_align, fsync);
             std::vector<int64_t> out;
             {
               py::gil_scoped_release nogil;
               out = e.run(*job);
             }
-            return out;
+            if (!latencies) return py::cast(out);
+            std::vector<double> lat;
+            lat.reserve(job->reqs.size());
+            for (auto& r : job->reqs) lat.push_back(r.done_time - r.issue_time);
+            return py::make_tuple(out, lat);
           },
           py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
-          py::arg("mem_align") = 0, py::arg("fsync") = false,
+          py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false,
           "Runs one batch on the calling thread's ring, as few io_uring_submit calls as the ring\n"
-          "allows; the GIL is released while the kernel works. Returns one result per entry.\n"
-          "Raises ValueError naming the entry for a misaligned address/length/offset (direct=True)\n"
-          "or a malformed entry, before any I/O.")
+          "allows; the GIL is released while the kernel works. Returns one result per entry, or\n"
+          "with latencies=True (results, seconds from each entry's SQEs being prepared to its\n"
+          "result). Raises ValueError naming the entry for a misaligned address/length/offset\n"
+          "(direct=True) or a malformed entry, before any I/O.")
       .def(
           "submit",
           [](Engine& e, uint64_t job_id, const std::string& op, const py::sequence& entries, bool direct,

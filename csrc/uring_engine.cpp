@@ -111,13 +111,22 @@ Ring::Ring(Engine& engine, unsigned depth, int wake_fd)
   // Each request takes at most 5 SQEs (open, header, data, fsync, close) plus a follow-up.
   unsigned entries = 8;
   while (entries < depth * 6 + 2) entries <<= 1;
+  // One ring per thread: let the kernel run completion work only when this thread waits
+  // (DEFER_TASKRUN, Linux 6.1), else cooperatively (5.19); older kernels take plain rings.
+  const unsigned flag_sets[] = {
+      IORING_SETUP_SUBMIT_ALL | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
+      IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN,
+      0,
+  };
   io_uring_params p{};
-  p.flags = IORING_SETUP_SUBMIT_ALL;
-  int rc = io_uring_queue_init_params(entries, &ring_, &p);
-  if (rc == -EINVAL) {
+  int rc = -EINVAL;
+  for (unsigned f : flag_sets) {
     p = io_uring_params{};
+    p.flags = f;
     rc = io_uring_queue_init_params(entries, &ring_, &p);
+    if (rc != -EINVAL) break;
   }
+  skip_open_cqe_ = (p.features & IORING_FEAT_CQE_SKIP) != 0;
   if (rc < 0) throw_errno("io_uring_queue_init", -rc);
   rc = io_uring_register_files_sparse(&ring_, depth);
   if (rc < 0) {
@@ -198,7 +207,8 @@ void Ring::record_error(Ctx& c, int stage, int64_t err) {
 }
 
 unsigned Ring::issue(Job& job) {
-  if (job.next == 0 && job.start_time == 0) job.start_time = monotonic_seconds();
+  const double now = monotonic_seconds();
+  if (job.next == 0 && job.start_time == 0) job.start_time = now;
   unsigned n = 0;
   while (job.next < job.reqs.size()) {
     Request& r = job.reqs[job.next];
@@ -214,6 +224,7 @@ unsigned Ring::issue(Job& job) {
     c.err = 0;
     c.err_stage = 99;
     c.moved = 0;
+    r.issue_time = now;
     ++job.next;
     ++inflight_;
     inflight_bytes_ += len;
@@ -255,7 +266,14 @@ void Ring::prep_chain(uint32_t slot) {
   // always runs and every stage reports its own result.
   io_uring_sqe* sqe = get_sqe();
   io_uring_prep_openat_direct(sqe, AT_FDCWD, r.path.c_str(), flags, 0644, slot);
-  finish_sqe(sqe, kOpen, IOSQE_IO_HARDLINK);
+  if (skip_open_cqe_) {
+    // A successful open posts no CQE; a failed one does (before the rest of its chain's).
+    io_uring_sqe_set_data64(sqe, encode(slot, kOpen));
+    sqe->flags |= IOSQE_IO_HARDLINK | IOSQE_CQE_SKIP_SUCCESS;
+    ++unsubmitted_;
+  } else {
+    finish_sqe(sqe, kOpen, IOSQE_IO_HARDLINK);
+  }
 
   if (block) {
     sqe = get_sqe();
@@ -373,6 +391,10 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
   Ctx& c = ctx_[slot];
   Job& job = *c.job;
   Request& r = job.reqs[c.index];
+  if (st == kOpen && skip_open_cqe_) {  // only failures get here, and they are not counted
+    record_error(c, st, res);
+    return;
+  }
   switch (st) {
     case kOpen:
     case kFsync:
@@ -444,6 +466,7 @@ void Ring::finish(uint32_t slot, std::vector<Job*>& finished) {
     }
   }
   r.result = result;
+  r.done_time = monotonic_seconds();
   (result < 0 ? engine_.stats().requests_failed : engine_.stats().requests_ok)++;
   inflight_bytes_ -= job.op == Op::Unlink ? 0 : r.length;
   --inflight_;
@@ -479,10 +502,7 @@ void Engine::shutdown() {
     if (stopping_ && workers_.empty()) return;
     stopping_ = true;
   }
-  for (int fd : wake_fds_) {
-    uint64_t one = 1;
-    (void)!::write(fd, &one, sizeof(one));
-  }
+  wake_workers();
   for (auto& t : workers_)
     if (t.joinable()) t.join();
   workers_.clear();
@@ -498,6 +518,7 @@ unsigned Engine::register_buffer(uint64_t addr, uint64_t len) {
   for (uint64_t off = 0; off < len; off += kMaxFixedChunk)
     buffers_.push_back({addr + off, std::min(kMaxFixedChunk, len - off)});
   ++buffers_generation_;
+  wake_workers();  // idle workers register the buffers now, not on their first job
   return first;
 }
 
@@ -505,6 +526,14 @@ void Engine::unregister_buffers() {
   std::lock_guard<std::mutex> lk(buf_mu_);
   buffers_.clear();
   ++buffers_generation_;
+  wake_workers();
+}
+
+void Engine::wake_workers() {
+  for (int fd : wake_fds_) {
+    uint64_t one = 1;
+    (void)!::write(fd, &one, sizeof(one));
+  }
 }
 
 std::vector<BufferRegion> Engine::buffers(uint64_t* generation) const {
@@ -554,10 +583,7 @@ void Engine::submit(std::unique_ptr<Job> job) {
     }
     (op_is_write(job->op) ? stores_ : loads_).push_back(std::move(job));
   }
-  for (size_t i = 0; i < wake_fds_.size(); ++i) {
-    uint64_t one = 1;
-    (void)!::write(wake_fds_[i], &one, sizeof(one));
-  }
+  wake_workers();
 }
 
 void Engine::worker_main(unsigned idx) {

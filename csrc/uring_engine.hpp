@@ -44,6 +44,7 @@ struct Request {
   uint64_t addr = 0;
   uint8_t digest[kDigestBytes] = {};
   int64_t result = 0;
+  double issue_time = 0, done_time = 0;  // CLOCK_MONOTONIC seconds: chain prepared, result known
 };
 
 struct Job {
@@ -143,6 +144,7 @@ class Ring {
   uint64_t inflight_bytes_ = 0;
   unsigned unsubmitted_ = 0;
   unsigned wake_sqes_ = 0;
+  bool skip_open_cqe_ = false;
   uint64_t buffers_generation_ = 0;
   std::vector<BufferRegion> buffers_;
 };
@@ -175,6 +177,7 @@ class Engine {
 
  private:
   void worker_main(unsigned idx);
+  void wake_workers();
 
   EngineConfig cfg_;
   EngineStats stats_;
