@@ -14,6 +14,7 @@ File names are the hex BLAKE2b-128 digest of the key (never raw key bytes), fann
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import struct
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ BLOCK_SUFFIX = ".kvb"
 TMP_MARK = ".tmp."
 # magic, version, header_bytes, payload_bytes, key digest, payload xxh3, header xxh3
 _HEADER = struct.Struct("<8sIIQ16sQQ")
+# Temporaries are named by pid and this process-wide sequence: two Layouts of one root in one
+# process (two tiers sharing a directory) must never pick the same name.
+_tmp_seq = itertools.count(1)
 
 
 def key_digest(key: bytes) -> bytes:
@@ -85,7 +89,6 @@ class Layout:
         for i in range(256):
             os.makedirs(os.path.join(self.blocks_dir, f"{i:02x}"), exist_ok=True)
         self._pid = os.getpid()
-        self._tmp_seq = 0
 
     def block_path(self, digest: bytes) -> str:
         h = digest.hex()
@@ -93,8 +96,7 @@ class Layout:
 
     def tmp_path(self, digest: bytes) -> str:
         """A fresh temporary name beside the block's final name (same directory: atomic rename)."""
-        self._tmp_seq += 1
-        return f"{self.block_path(digest)}{TMP_MARK}{self._pid}.{self._tmp_seq}"
+        return f"{self.block_path(digest)}{TMP_MARK}{self._pid}.{next(_tmp_seq)}"
 
     def quarantine_path(self, digest: bytes, stamp: int) -> str:
         return os.path.join(self.quarantine_dir, f"{digest.hex()}{BLOCK_SUFFIX}.{stamp}")

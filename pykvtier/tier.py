@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ _ERR_TEXT = {
 }
 _CORRUPT = set(_ERR_TEXT)
 _INTERNAL_JOB = 1 << 62  # engine job ids of the tier's own jobs (evictions)
+_open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # this process's tiers not shut down
 
 
 def _describe(res: int) -> str:
@@ -242,6 +244,10 @@ class DiskTier:
         self._next_engine_job = 1
         self._arena: Arena | None = None
         self._closed = False
+        # Temporaries named with this pid belong to a live writer if another tier of this
+        # process uses the root; else they are a dead process's (pid reused) and are swept.
+        self._own_pid_live = any(t.layout.root == self.layout.root for t in _open_tiers)
+        _open_tiers.add(self)
         self._scan()
         if arena is not None:
             self.set_arena(arena)
@@ -269,7 +275,7 @@ class DiskTier:
                         found.append((st.st_mtime, digest))
                         continue
                     owner = Layout.tmp_owner(de.name)
-                    if owner is not None and self._stale_tmp(owner, de, now):
+                    if owner is not None and self._stale_tmp(owner, de, now, self._own_pid_live):
                         try:
                             os.unlink(de.path)
                             self._stats["stale_temporaries_removed"] += 1
@@ -288,8 +294,8 @@ class DiskTier:
             self._evict(self._used_bytes - self.capacity_bytes)
 
     @staticmethod
-    def _stale_tmp(owner: int, de: os.DirEntry, now: float) -> bool:
-        if owner <= 0 or owner == os.getpid():
+    def _stale_tmp(owner: int, de: os.DirEntry, now: float, own_pid_live: bool) -> bool:
+        if owner <= 0 or (owner == os.getpid() and not own_pid_live):
             return True
         try:
             os.kill(owner, 0)
@@ -424,8 +430,16 @@ class DiskTier:
     def submit_load(self, job: TransferJob) -> None:
         """Loads ``job.keys`` into their arena slots. Returns at once; the result comes from
         :meth:`get_finished_jobs`. A key that is not a HIT fails (reported per key) without I/O.
-        Raises ValueError/TypeError for a malformed job (nothing is submitted then)."""
+        Raises ValueError/TypeError for a malformed job (nothing is submitted then), e.g. two
+        keys into one slot (their reads would race, and each block's checksum is verified over
+        the bytes in its slot)."""
         keys = self._check_job(job)
+        seen_slots: set[int] = set()
+        for s in job.slot_ids:
+            if int(s) in seen_slots:
+                raise ValueError(f"job {job.job_id}: slot {int(s)} given twice; a load needs a "
+                                 "slot per key")
+            seen_slots.add(int(s))
         pend = _Pending(job, True, [], [], {})
         entries = []
         for key, slot in zip(keys, job.slot_ids):
@@ -688,6 +702,7 @@ class DiskTier:
             return
         self.drain()
         self._closed = True
+        _open_tiers.discard(self)
         self._engine.shutdown()
         if self._probe is not None:
             self._probe.close()

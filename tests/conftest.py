@@ -1,0 +1,123 @@
+"""Shared fixtures: storage roots (O_DIRECT-capable where possible) and page-aligned arenas.
+
+Storage root
+    ``PYKVTIER_TEST_ROOT`` set: every test gets a fresh subdirectory under it, removed after the
+    test. Point it at the NVMe (or any file system) under test; tests marked ``nvme`` run only
+    then. Unset: pytest's temporary directory when its file system takes O_DIRECT, else a
+    session directory under ``/var/tmp`` when that one does (``/tmp`` is often tmpfs, which
+    refuses O_DIRECT), else pytest's temporary directory anyway (buffered I/O only: tests that
+    need O_DIRECT skip, saying why).
+
+Fixtures
+    ``root``: a fresh, empty directory (str) on that storage.
+    ``direct_root``: the same, skipping the test when the file system refuses O_DIRECT.
+    ``aligned``: ``aligned(nbytes, align=4096, fill=None)`` -> a page-aligned uint8 numpy
+    array (``fill``: an int seed of random bytes, or None for zeros).
+    ``arena``: ``arena(num_slots, slot_bytes, align=4096)`` -> a page-aligned 2-D uint8 array
+    ``(num_slots, slot_bytes)``, zero-filled (``DiskTier.set_arena`` infers ``slot_bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from pykvtier import _native
+
+ENV_ROOT = "PYKVTIER_TEST_ROOT"
+
+
+def page_aligned(nbytes: int, align: int = 4096, fill: int | None = None) -> np.ndarray:
+    """A uint8 array of ``nbytes`` whose first byte is ``align``-aligned (its base stays alive
+    through ``.base``). ``fill``: seed of random content, None: zeros."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    out = raw[off : off + nbytes]
+    assert out.ctypes.data % align == 0
+    if fill is not None:
+        out[:] = np.random.default_rng(fill).integers(0, 256, nbytes, dtype=np.uint8)
+    return out
+
+
+def _probe(path: str) -> dict:
+    try:
+        return _native.probe_direct(path)
+    except ValueError as exc:  # cannot even create a file there
+        return {"direct": False, "reason": str(exc)}
+
+
+@pytest.fixture(scope="session")
+def storage_base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
+    """(directory under which each test's root is made, its O_DIRECT probe)."""
+    env = os.environ.get(ENV_ROOT)
+    if env:
+        os.makedirs(env, exist_ok=True)
+        yield env, _probe(env)
+        return
+    base = str(tmp_path_factory.getbasetemp())
+    probe = _probe(base)
+    if probe["direct"]:
+        yield base, probe
+        return
+    var_tmp = None
+    if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK):
+        var_tmp = tempfile.mkdtemp(prefix="pykvtier-tests-", dir="/var/tmp")
+        vprobe = _probe(var_tmp)
+        if vprobe["direct"]:
+            try:
+                yield var_tmp, vprobe
+            finally:
+                shutil.rmtree(var_tmp, ignore_errors=True)
+            return
+        shutil.rmtree(var_tmp, ignore_errors=True)
+    yield base, probe
+
+
+@pytest.fixture
+def root(storage_base: tuple[str, dict], request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, empty directory for one test; removed afterwards."""
+    base, _ = storage_base
+    name = "".join(c if c.isalnum() else "_" for c in request.node.name)[:60]
+    path = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def direct_root(root: str, storage_base: tuple[str, dict]) -> str:
+    """As ``root``, but the test is skipped when the file system refuses O_DIRECT."""
+    probe = storage_base[1]
+    if not probe["direct"]:
+        pytest.skip(
+            f"{storage_base[0]} refuses O_DIRECT ({probe['reason']}); set {ENV_ROOT} to a "
+            "directory on a file system that takes it (ext4, xfs, an NVMe mount; not tmpfs)"
+        )
+    return root
+
+
+@pytest.fixture
+def aligned() -> Callable[..., np.ndarray]:
+    return page_aligned
+
+
+@pytest.fixture
+def arena() -> Callable[..., np.ndarray]:
+    def make(num_slots: int, slot_bytes: int, align: int = 4096) -> np.ndarray:
+        return page_aligned(num_slots * slot_bytes, align).reshape(num_slots, slot_bytes)
+
+    return make
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("nvme") is not None and not os.environ.get(ENV_ROOT):
+        pytest.skip(
+            f"needs real O_DIRECT storage and room for large data: set {ENV_ROOT} to a "
+            "directory on the NVMe (or other file system) under test"
+        )

@@ -1,0 +1,760 @@
+"""DiskTier (phase 1 lookup, phase 2 load/store, integrity, recovery, capacity) and Promoter.
+
+One test per row of DESIGN.md's lookup table, then promotion, integrity and recovery, capacity
+and bad input. Completion is awaited with ``drain()`` and collected with
+``get_finished_jobs()``; no sleeps. The tier answers from its own bookkeeping, which only
+``get_finished_jobs()`` (or ``drain()`` for probes) advances, so the RETRY / HIT_PENDING states
+below are deterministic even when the engine has already finished the I/O.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pykvtier import DiskTier, JobResult, LookupResult, Promoter, TransferJob
+from pykvtier.layout import HEADER_BYTES, key_digest
+
+HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
+                                 LookupResult.HIT_PENDING)
+BS = 64 << 10  # block payload bytes
+FB = BS + HEADER_BYTES  # block file bytes
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def make_tier():
+    """DiskTier factory; every tier made is shut down at the end of the test."""
+    made: list[DiskTier] = []
+
+    def make(root, **kw) -> DiskTier:
+        kw.setdefault("block_size_bytes", BS)
+        t = DiskTier(root, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.shutdown()
+
+
+def fill(arr: np.ndarray, seed: int) -> np.ndarray:
+    arr[...] = np.random.default_rng(seed).integers(0, 256, arr.shape, dtype=np.uint8)
+    return arr
+
+
+def keys_of(n: int, tag: bytes = b"k") -> list[bytes]:
+    return [b"%s-%d" % (tag, i) for i in range(n)]
+
+
+def finish(tier: DiskTier) -> list[JobResult]:
+    tier.drain()
+    return tier.get_finished_jobs()
+
+
+def store(tier: DiskTier, job_id: int, keys, slots) -> JobResult:
+    tier.submit_store(TransferJob(job_id, list(keys), list(slots)))
+    (res,) = finish(tier)
+    assert res.job_id == job_id and res.is_load is False
+    return res
+
+
+def load(tier: DiskTier, job_id: int, keys, slots) -> JobResult:
+    tier.submit_load(TransferJob(job_id, list(keys), list(slots)))
+    (res,) = finish(tier)
+    assert res.job_id == job_id and res.is_load is True
+    return res
+
+
+def ok(res: JobResult, nbytes: int) -> None:
+    assert res.success is True, res.failed_keys
+    assert res.successful_keys is None and res.failed_keys == {}
+    assert res.transfer_bytes == nbytes
+
+
+def path_of(tier: DiskTier, key: bytes) -> str:
+    return tier.layout.block_path(key_digest(key))
+
+
+def block_files(tier: DiskTier) -> list[str]:
+    return sorted(glob.glob(os.path.join(tier.layout.blocks_dir, "*", "*")))
+
+
+def flip_byte(path: str, off: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def stored(root, make_tier, arena):
+    """A tier on ``root`` holding 4 stored blocks: (tier, keys, source arena rows)."""
+    tier = make_tier(root)
+    a = fill(arena(8, BS), 1)
+    tier.set_arena(a)
+    keys = keys_of(4)
+    ok(store(tier, 1, keys, range(4)), 4 * BS)
+    src = a[:4].copy()
+    a[:] = 0
+    return tier, keys, src, a
+
+
+# ------------------------------------------------------------------------- phase 1: the lookup table
+
+
+def test_hit_when_stored(root, make_tier, arena):
+    tier = make_tier(root)
+    a = fill(arena(4, BS), 2)
+    tier.set_arena(a)
+    keys = keys_of(3)
+    res = store(tier, 7, keys, [2, 0, 1])
+    ok(res, 3 * BS)
+    assert [tier.lookup(k) for k in keys] == [HIT, HIT, HIT]
+    assert tier.num_blocks == 3 and tier.used_bytes == 3 * FB
+    for k, slot in zip(keys, [2, 0, 1]):
+        with open(path_of(tier, k), "rb") as f:
+            raw = f.read()
+        assert len(raw) == FB and raw[HEADER_BYTES:] == a[slot].tobytes()
+    s = tier.stats()
+    assert (s["lookups"], s["hits"], s["misses"], s["retries"], s["hit_pending"]) == (3, 3, 0, 0, 0)
+    assert s["blocks_stored"] == 3 and s["bytes_stored"] == 3 * BS and s["stores_submitted"] == 1
+    assert s["blocks_present"] == 3 and s["used_bytes"] == 3 * FB
+
+
+def test_miss_when_never_stored(root, make_tier, stored):
+    tier = stored[0]
+    assert tier.lookup(b"never stored") is MISS
+    assert tier.lookup(bytearray(b"never stored")) is MISS  # bytes-like keys are fine
+    s = tier.stats()
+    assert s["misses"] == 2 and s["probes"] == 0  # not shared: no probe either
+
+
+def test_retry_while_being_written(root, make_tier, arena):
+    tier = make_tier(root)
+    a = fill(arena(4, BS), 3)
+    tier.set_arena(a)
+    keys = keys_of(2)
+    tier.submit_store(TransferJob(1, keys, [0, 1]))
+    assert [tier.lookup(k) for k in keys] == [RETRY, RETRY]  # being written is not a miss
+    tier.drain()  # the engine is done, but the tier has not collected the job yet
+    assert [tier.lookup(k) for k in keys] == [RETRY, RETRY]
+    # a load of a block being written fails without I/O (the caller should have waited)
+    sqes = tier.stats()["engine_sqes"]
+    tier.submit_load(TransferJob(2, keys[:1], [3]))
+    res = {r.job_id: r for r in tier.get_finished_jobs()}
+    assert set(res) == {1, 2}
+    ok(res[1], 2 * BS)
+    assert res[2].success is False and res[2].failed_keys == {keys[0]: "block is writing"}
+    assert tier.stats()["engine_sqes"] == sqes
+    assert [tier.lookup(k) for k in keys] == [HIT, HIT]
+    assert tier.stats()["retries"] == 4
+
+
+def test_hit_pending_while_loading(stored):
+    tier, keys, src, a = stored
+    tier.submit_load(TransferJob(10, keys[:2], [5, 6]))
+    assert [tier.lookup(k) for k in keys] == [HIT_PENDING, HIT_PENDING, HIT, HIT]
+    tier.drain()
+    assert tier.lookup(keys[0]) is HIT_PENDING  # until the tier collects the job
+    (res,) = tier.get_finished_jobs()
+    ok(res, 2 * BS)
+    assert res.submits == 1
+    assert [tier.lookup(k) for k in keys] == [HIT] * 4
+    assert np.array_equal(a[5], src[0]) and np.array_equal(a[6], src[1])
+    assert tier.stats()["hit_pending"] == 3
+
+
+def test_miss_after_failed_load(stored):
+    tier, keys, src, a = stored
+    os.unlink(path_of(tier, keys[1]))  # gone behind the tier's back
+    res = load(tier, 3, keys[:3], [0, 1, 2])
+    assert res.success is False
+    assert res.successful_keys == [keys[0], keys[2]]
+    assert res.failed_keys == {keys[1]: "ENOENT: No such file or directory"}
+    assert res.transfer_bytes == 2 * BS
+    assert np.array_equal(a[0], src[0]) and np.array_equal(a[2], src[2])
+    # a failed load is a MISS from then on: the engine recomputes instead of retrying forever
+    assert [tier.lookup(k) for k in keys] == [HIT, MISS, HIT, HIT]
+    assert tier.num_blocks == 3 and tier.used_bytes == 3 * FB
+    s = tier.stats()
+    assert s["load_failures"] == 1 and s["blocks_loaded"] == 2 and s["quarantined"] == 0
+    # ... until it is stored again
+    a[1] = src[1]
+    ok(store(tier, 4, [keys[1]], [1]), BS)
+    assert tier.lookup(keys[1]) is HIT
+    a[1] = 0
+    ok(load(tier, 5, [keys[1]], [1]), BS)
+    assert np.array_equal(a[1], src[1])
+
+
+def test_shared_retry_while_probe_in_flight_then_hit(root, make_tier, arena):
+    a = fill(arena(4, BS), 4)
+    first = make_tier(root, shared=True)
+    first.set_arena(a)
+    other = make_tier(root)  # another writer of the same directory
+    other.set_arena(a)
+    key = b"written by the other"
+    ok(store(other, 1, [key], [0]), BS)
+    src = a[0].copy()
+
+    assert first.lookup(key) is RETRY  # unknown to the index: a probe is needed
+    assert first.lookup(key) is RETRY  # still unknown; asked once
+    first.on_step_end()  # one batch of statx for the step
+    assert first.stats()["probes"] == 1
+    first.drain()  # applies the finished probe
+    assert first.lookup(key) is HIT
+    s = first.stats()
+    assert s["probes"] == 1 and s["probe_hits"] == 1 and s["retries"] == 2
+    assert first.num_blocks == 1 and first.used_bytes == FB
+    a[3] = 0
+    ok(load(first, 2, [key], [3]), BS)
+    assert np.array_equal(a[3], src)
+
+
+def test_shared_probe_that_finds_nothing_is_miss(root, make_tier):
+    tier = make_tier(root, shared=True, probe_ttl_s=3600)
+    assert tier.lookup(b"nowhere") is RETRY
+    tier.on_step_end()
+    tier.drain()
+    assert tier.lookup(b"nowhere") is MISS
+    tier.on_step_end()
+    tier.drain()
+    assert tier.lookup(b"nowhere") is MISS  # the probe's answer holds for probe_ttl_s
+    s = tier.stats()
+    assert s["probes"] == 1 and s["probe_hits"] == 0
+    assert not tier.has_pending_work()
+
+
+def test_shared_probe_miss_expires(root, make_tier):
+    tier = make_tier(root, shared=True, probe_ttl_s=0)
+    assert tier.lookup(b"nowhere") is RETRY
+    tier.on_step_end()
+    tier.drain()
+    assert tier.lookup(b"nowhere") is RETRY  # expired at once: probed again
+    tier.on_step_end()
+    tier.drain()
+    assert tier.stats()["probes"] == 2
+
+
+def test_shared_probe_ignores_a_file_of_other_size(root, make_tier):
+    tier = make_tier(root, shared=True)
+    key = b"odd"
+    with open(path_of(tier, key), "wb") as f:
+        f.write(b"\0" * 100)
+    assert tier.lookup(key) is RETRY
+    tier.on_step_end()
+    tier.drain()
+    assert tier.lookup(key) is MISS and tier.num_blocks == 0
+
+
+# ------------------------------------------------------------------------- promotion
+
+
+def test_promoter_reads_a_shared_block_once(stored):
+    tier, keys, src, a = stored
+    k0, k1, k2, k3 = keys
+    p = Promoter(tier)
+    before = tier.stats()
+    assert p.lookup(k1) is HIT
+    assert p.promote("r1", [k0, k1], [4, 5]) == {k0: 4, k1: 5}
+    assert p.lookup(k1) is HIT_PENDING  # asked for this step: do not start a second read
+    assert p.lookup(k2) is HIT
+    # r2 needs k1 too: it gets r1's slot, not its own slot 6
+    assert p.promote("r2", [k1, k2], [6, 7]) == {k1: 5, k2: 7}
+    assert p.in_flight == 2
+    p.on_step_end()
+    assert p.jobs_submitted == 2
+    assert tier.lookup(k1) is HIT_PENDING and p.lookup(k2) is HIT_PENDING
+    tier.drain()
+    done = {r.request_id: r for r in p.poll()}
+    assert set(done) == {"r1", "r2"} and p.in_flight == 0
+    assert done["r1"].loaded == {k0: 4, k1: 5} and done["r1"].failed == {}
+    assert done["r2"].loaded == {k1: 5, k2: 7} and done["r2"].failed == {}
+    assert np.array_equal(a[4], src[0]) and np.array_equal(a[5], src[1])
+    assert np.array_equal(a[7], src[2])
+    assert not a[6].any()  # k1 was not read a second time into r2's slot
+    after = tier.stats()
+    assert after["blocks_loaded"] - before["blocks_loaded"] == 3
+    assert after["loads_submitted"] - before["loads_submitted"] == 2
+    assert after["submits"] - before["submits"] == 2  # one io_uring_submit per request
+    assert after["engine_sqes"] - before["engine_sqes"] == 3 * 4  # open, header, data, close
+    assert [p.lookup(k) for k in keys] == [HIT] * 4
+    assert p.poll() == [] and p.take_other_results() == []
+
+
+def test_promoter_one_submit_per_request_per_step(root, make_tier, arena):
+    tier = make_tier(root)
+    a = fill(arena(40, BS), 5)
+    tier.set_arena(a)
+    keys = keys_of(20)
+    ok(store(tier, 1, keys, range(20)), 20 * BS)
+    src = a[:20].copy()
+    p = Promoter(tier)
+    for step in range(2):
+        before = tier.stats()
+        # three requests of 3, 5 and 2 blocks (disjoint)
+        groups = [keys[10 * step : 10 * step + 3], keys[10 * step + 3 : 10 * step + 8],
+                  keys[10 * step + 8 : 10 * step + 10]]
+        slot = 20
+        expect = {}
+        for rid, g in enumerate(groups):
+            slots = list(range(slot, slot + len(g)))
+            assert p.promote((step, rid), g, slots) == dict(zip(g, slots))
+            expect[(step, rid)] = dict(zip(g, slots))
+            slot += len(g)
+        p.on_step_end()
+        tier.drain()
+        done = {r.request_id: r.loaded for r in p.poll()}
+        assert done == expect
+        after = tier.stats()
+        assert after["submits"] - before["submits"] == 3
+        assert after["loads_submitted"] - before["loads_submitted"] == 3
+        assert after["blocks_loaded"] - before["blocks_loaded"] == 10
+        for i in range(10):
+            assert np.array_equal(a[20 + i], src[10 * step + i])
+    assert p.jobs_submitted == 6
+
+
+def test_promoter_partial_failure(stored):
+    tier, keys, src, a = stored
+    k0, k1, k2, k3 = keys
+    flip_byte(path_of(tier, k2), HEADER_BYTES + 100)  # corrupt payload
+    p = Promoter(tier)
+    p.promote("a", [k0, k2], [4, 5])
+    p.promote("b", [k2, k3, b"never stored"], [6, 7, 0])
+    p.on_step_end()
+    tier.drain()
+    done = {r.request_id: r for r in p.poll()}
+    reason = "payload checksum mismatch (corrupt bytes)"
+    assert done["a"].loaded == {k0: 4} and done["a"].failed == {k2: reason}
+    assert done["b"].loaded == {k3: 7}
+    assert done["b"].failed == {k2: reason, b"never stored": "not in the tier"}
+    assert np.array_equal(a[4], src[0]) and np.array_equal(a[7], src[3])
+    assert [p.lookup(k) for k in keys] == [HIT, HIT, MISS, HIT]
+    assert tier.stats()["blocks_loaded"] == 2 and tier.stats()["load_failures"] == 1
+
+
+def test_load_partial_failure_reports_exactly_the_good_keys(stored):
+    tier, keys, src, a = stored
+    flip_byte(path_of(tier, keys[0]), 20)  # header
+    os.unlink(path_of(tier, keys[3]))
+    before = tier.stats()
+    res = load(tier, 9, [keys[0], keys[1], b"absent", keys[2], keys[3]], [4, 5, 6, 7, 0])
+    assert res.success is False
+    assert res.successful_keys == [keys[1], keys[2]]
+    assert res.failed_keys == {
+        keys[0]: "block header is corrupt (magic, version or header checksum)",
+        b"absent": "not in the tier",
+        keys[3]: "ENOENT: No such file or directory",
+    }
+    assert res.transfer_bytes == 2 * BS and res.submits == 1
+    assert np.array_equal(a[5], src[1]) and np.array_equal(a[7], src[2])
+    assert [tier.lookup(k) for k in keys] == [MISS, HIT, HIT, MISS]
+    d = {k: tier.stats()[k] - before[k] for k in before}
+    assert d["engine_sqes"] == 4 * 4  # the absent key cost no I/O
+    assert d["blocks_loaded"] == 2 and d["load_failures"] == 2
+    assert d["quarantined"] == 1 and d["verify_failures"] == 1
+
+
+def test_all_keys_failed_has_no_successful_keys(stored):
+    tier = stored[0]
+    res = load(tier, 1, [b"x", b"y"], [0, 1])
+    assert res.success is False and res.successful_keys is None
+    assert res.failed_keys == {b"x": "not in the tier", b"y": "not in the tier"}
+    assert res.transfer_bytes == 0 and res.submits == 0
+
+
+# ------------------------------------------------------------------------- integrity
+
+
+CORRUPTIONS = {
+    "truncated": "block file is truncated (short read)",
+    "payload_byte": "payload checksum mismatch (corrupt bytes)",
+    "header_byte": "block header is corrupt (magic, version or header checksum)",
+    "foreign_block": "block file belongs to another key",
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_block_is_quarantined(stored, kind):
+    tier, keys, src, a = stored
+    victim = path_of(tier, keys[1])
+    if kind == "truncated":
+        os.truncate(victim, HEADER_BYTES + BS // 2)
+    elif kind == "payload_byte":
+        flip_byte(victim, HEADER_BYTES + BS - 1)
+    elif kind == "header_byte":
+        flip_byte(victim, 24)  # inside the key digest: the header checksum catches it
+    else:
+        shutil.copyfile(path_of(tier, keys[2]), victim)  # a whole block, of another key
+    with open(victim, "rb") as f:
+        bad = f.read()
+
+    res = load(tier, 2, keys[:2], [4, 5])
+    assert res.success is False and res.successful_keys == [keys[0]]
+    assert res.failed_keys == {keys[1]: CORRUPTIONS[kind]}
+    assert np.array_equal(a[4], src[0])
+    assert tier.lookup(keys[1]) is MISS
+    assert not os.path.exists(victim)
+    (q,) = os.listdir(tier.layout.quarantine_dir)
+    assert q.startswith(key_digest(keys[1]).hex() + ".kvb.")
+    with open(os.path.join(tier.layout.quarantine_dir, q), "rb") as f:
+        assert f.read() == bad  # kept for inspection, as it was
+    s = tier.stats()
+    assert s["quarantined"] == 1 and s["verify_failures"] == 1 and s["load_failures"] == 1
+    assert tier.num_blocks == 3 and tier.used_bytes == 3 * FB
+    assert len(block_files(tier)) == 3
+    # the key can be stored again and then loads
+    a[1] = src[1]
+    ok(store(tier, 3, [keys[1]], [1]), BS)
+    a[1] = 0
+    ok(load(tier, 4, [keys[1]], [1]), BS)
+    assert np.array_equal(a[1], src[1])
+
+
+# ------------------------------------------------------------------------- recovery
+
+
+def test_restart_recovers_the_index(root, make_tier, arena):
+    a = fill(arena(8, BS), 6)
+    first = make_tier(root)
+    first.set_arena(a)
+    keys = keys_of(6)
+    ok(store(first, 1, keys, range(6)), 6 * BS)
+    src = a[:6].copy()
+    first.shutdown()
+
+    again = make_tier(root)
+    assert again.num_blocks == 6 and again.used_bytes == 6 * FB
+    assert [again.lookup(k) for k in keys] == [HIT] * 6
+    assert again.lookup(b"other") is MISS
+    a[:] = 0
+    again.set_arena(a)
+    res = load(again, 1, list(reversed(keys)), range(6))
+    ok(res, 6 * BS)
+    for i in range(6):
+        assert np.array_equal(a[i], src[5 - i])
+    s = again.stats()
+    assert s["stale_temporaries_removed"] == 0 and s["blocks_of_other_size"] == 0
+    assert s["fixed_buffer_ios"] == 6 and s["direct"] == int(again.direct)
+
+
+def test_restart_ignores_blocks_of_another_size(root, make_tier, arena):
+    a = fill(arena(2, BS), 7)
+    first = make_tier(root)
+    first.set_arena(a)
+    ok(store(first, 1, [b"a", b"b"], [0, 1]), 2 * BS)
+    first.shutdown()
+    other = make_tier(root, block_size_bytes=2 * BS)
+    assert other.num_blocks == 0 and other.stats()["blocks_of_other_size"] == 2
+    assert other.lookup(b"a") is MISS
+    assert len(block_files(other)) == 2  # left alone
+
+
+def test_stale_temporaries_removed_at_start(root, make_tier, arena):
+    a = fill(arena(2, BS), 8)
+    first = make_tier(root)
+    first.set_arena(a)
+    ok(store(first, 1, [b"kept"], [0]), BS)
+    first.shutdown()
+
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # above pid_max: no such process can exist
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        blocks = first.layout.blocks_dir
+        d = key_digest(b"x").hex()
+        stale = [
+            f"{blocks}/{d[:2]}/{d}.kvb.tmp.{dead}.1",           # writer died
+            f"{blocks}/{d[:2]}/{d}.kvb.tmp.garbage",            # unreadable owner
+            f"{blocks}/00/{'00' * 16}.kvb.tmp.{child.pid}.3",   # live writer, but hours old
+        ]
+        live = f"{blocks}/01/{'01' * 16}.kvb.tmp.{child.pid}.4"  # live writer, fresh
+        for p in stale + [live]:
+            with open(p, "wb") as f:
+                f.write(b"partial")
+        os.utime(stale[2], (os.path.getmtime(stale[2]) - 7200,) * 2)
+
+        again = make_tier(root)
+        assert again.stats()["stale_temporaries_removed"] == 3
+        assert [os.path.exists(p) for p in stale] == [False] * 3
+        assert os.path.exists(live)
+        assert again.num_blocks == 1 and again.lookup(b"kept") is HIT
+    finally:
+        child.communicate(b"")
+
+
+# ------------------------------------------------------------------------- capacity
+
+
+def test_eviction_keeps_within_capacity(root, make_tier, arena):
+    cap = 4 * FB
+    tier = make_tier(root, capacity_bytes=cap)
+    a = fill(arena(10, BS), 9)
+    tier.set_arena(a)
+    keys = keys_of(10)
+    for i, k in enumerate(keys):
+        ok(store(tier, i, [k], [i]), BS)
+        assert tier.used_bytes <= cap
+        assert len(block_files(tier)) == tier.num_blocks == min(i + 1, 4)
+        if i == 3:
+            tier.touch([keys[0]])  # recently used: evicted after keys 1, 2, 3
+    # LRU order: 1, 2, 3 go first, then 0 (touched), 4, 5
+    alive = [keys[i] for i in (6, 7, 8, 9)]
+    assert [tier.lookup(k) for k in keys] == [MISS] * 6 + [HIT] * 4
+    assert block_files(tier) == sorted(path_of(tier, k) for k in alive)
+    s = tier.stats()
+    assert s["evictions"] == 6 and s["eviction_failures"] == 0
+    assert tier.used_bytes == cap and tier.num_blocks == 4
+    src = a.copy()
+    a[:] = 0
+    ok(load(tier, 100, alive, range(4)), 4 * BS)
+    for i in range(4):
+        assert np.array_equal(a[i], src[6 + i])
+
+
+def test_eviction_order_after_the_first_evictions(root, make_tier, arena):
+    """touch() of a block that a past eviction round spared still moves it to the back."""
+    tier = make_tier(root, capacity_bytes=2 * FB)
+    a = fill(arena(4, BS), 10)
+    tier.set_arena(a)
+    k = keys_of(4)
+    ok(store(tier, 1, [k[0]], [0]), BS)
+    ok(store(tier, 2, [k[1]], [1]), BS)
+    ok(store(tier, 3, [k[2]], [2]), BS)  # evicts k0
+    tier.touch([k[1]])
+    ok(store(tier, 4, [k[3]], [3]), BS)  # evicts k2, not the touched k1
+    assert [tier.lookup(x) for x in k] == [MISS, HIT, MISS, HIT]
+
+
+def test_one_job_larger_than_capacity(root, make_tier, arena):
+    """Blocks being written cannot be evicted: what does not fit fails, per key."""
+    tier = make_tier(root, capacity_bytes=4 * FB)
+    a = fill(arena(6, BS), 11)
+    tier.set_arena(a)
+    keys = keys_of(6)
+    res = store(tier, 1, keys, range(6))
+    assert res.success is False and res.successful_keys == keys[:4]
+    assert res.failed_keys == {k: "no capacity: every block is in use" for k in keys[4:]}
+    assert res.transfer_bytes == 4 * BS
+    assert tier.stats()["capacity_rejections"] == 2 and tier.used_bytes == 4 * FB
+    assert [tier.lookup(k) for k in keys] == [HIT] * 4 + [MISS] * 2
+    assert len(block_files(tier)) == 4
+
+
+def test_block_being_loaded_is_never_evicted(root, make_tier, arena):
+    tier = make_tier(root, capacity_bytes=3 * FB)
+    a = fill(arena(8, BS), 12)
+    tier.set_arena(a)
+    old = keys_of(3, b"old")
+    for i, k in enumerate(old):
+        ok(store(tier, i, [k], [i]), BS)
+    src = a.copy()
+    tier.touch([old[1], old[2]])  # old[0] is now the least recently used
+    tier.submit_load(TransferJob(10, [old[0]], [7]))
+    new = keys_of(3, b"new")
+    for i, k in enumerate(new):  # no draining in between: old[0]'s load is in flight
+        tier.submit_store(TransferJob(20 + i, [k], [3 + i]))
+    assert tier.used_bytes <= 3 * FB
+    res = {r.job_id: r for r in finish(tier)}
+    assert set(res) == {10, 20, 21, 22}
+    ok(res[10], BS)
+    assert np.array_equal(a[7], src[0])  # byte-exact despite the pressure
+    ok(res[20], BS)
+    ok(res[21], BS)
+    assert res[22].failed_keys == {new[2]: "no capacity: every block is in use"}
+    assert [tier.lookup(k) for k in old] == [HIT, MISS, MISS]
+    assert [tier.lookup(k) for k in new] == [HIT, HIT, MISS]
+    assert os.path.exists(path_of(tier, old[0]))
+    assert len(block_files(tier)) == 3 and tier.used_bytes == 3 * FB
+    s = tier.stats()
+    assert s["evictions"] == 2 and s["capacity_rejections"] == 1
+    a[7] = 0
+    ok(load(tier, 30, [old[0]], [7]), BS)
+    assert np.array_equal(a[7], src[0])
+
+
+def test_restart_over_capacity_evicts_oldest(root, make_tier, arena):
+    a = fill(arena(5, BS), 13)
+    first = make_tier(root)
+    first.set_arena(a)
+    keys = keys_of(5)
+    for i, k in enumerate(keys):
+        ok(store(first, i, [k], [i]), BS)
+        os.utime(path_of(first, k), (1_000_000 + i,) * 2)  # a clear age order
+    first.shutdown()
+    small = make_tier(root, capacity_bytes=2 * FB)
+    small.drain()
+    small.get_finished_jobs()
+    assert small.used_bytes == 2 * FB and small.num_blocks == 2
+    assert [small.lookup(k) for k in keys] == [MISS, MISS, MISS, HIT, HIT]
+    assert len(block_files(small)) == 2 and small.stats()["evictions"] == 3
+
+
+# ------------------------------------------------------------------------- stores
+
+
+def test_store_skips_present_and_repeated_keys(stored):
+    tier, keys, src, a = stored
+    before = tier.stats()
+    res = store(tier, 5, [keys[0], b"new", b"new", keys[1]], [0, 1, 1, 2])
+    ok(res, BS)  # only the new block moved
+    d = {k: tier.stats()[k] - before[k] for k in before}
+    # skipped: the two present keys, and the repeat of b"new" (being written by then)
+    assert d["stores_skipped_present"] == 3 and d["blocks_stored"] == 1
+    assert tier.num_blocks == 5 and len(block_files(tier)) == 5
+
+
+def test_two_tiers_store_the_same_block_at_once(root, make_tier, arena):
+    """Two writers of one directory (content-addressed): both succeed, one file remains."""
+    a = fill(arena(2, BS), 14)
+    t1 = make_tier(root, shared=True)
+    t2 = make_tier(root, shared=True)
+    t1.set_arena(a)
+    t2.set_arena(a)
+    t1.submit_store(TransferJob(1, [b"same"], [0]))
+    t2.submit_store(TransferJob(1, [b"same"], [0]))
+    (r1,) = finish(t1)
+    (r2,) = finish(t2)
+    ok(r1, BS)
+    ok(r2, BS)
+    assert block_files(t1) == [path_of(t1, b"same")]
+    assert t1.lookup(b"same") is HIT and t2.lookup(b"same") is HIT
+
+
+def test_new_tier_keeps_temporaries_of_a_live_tier_in_this_process(root, make_tier, arena):
+    """A temporary named with this process's pid belongs to a live writer while another tier
+    of this process uses the root; it is stale only once none does."""
+    a = fill(arena(1, BS), 15)
+    first = make_tier(root)
+    first.set_arena(a)
+    d = key_digest(b"in flight")
+    tmp = first.layout.tmp_path(d)  # as first's write of it would be named
+    with open(tmp, "wb") as f:
+        f.write(b"partial")
+    second = make_tier(root)
+    assert os.path.exists(tmp) and second.stats()["stale_temporaries_removed"] == 0
+    first.shutdown()
+    second.shutdown()
+    third = make_tier(root)
+    assert not os.path.exists(tmp) and third.stats()["stale_temporaries_removed"] == 1
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def test_key_must_be_bytes(stored):
+    tier = stored[0]
+    with pytest.raises(TypeError, match="key must be bytes, not str"):
+        tier.lookup("k-0")
+    with pytest.raises(TypeError, match="key must be bytes, not int"):
+        tier.submit_load(TransferJob(1, [b"k-0", 5], [0, 1]))
+    with pytest.raises(TypeError, match="key must be bytes, not str"):
+        tier.submit_store(TransferJob(1, ["k"], [0]))
+    assert not tier.has_pending_work()
+
+
+@pytest.mark.parametrize("op", ["load", "store"])
+def test_malformed_jobs_submit_nothing(stored, op):
+    tier, keys, src, a = stored
+    submit = tier.submit_load if op == "load" else tier.submit_store
+    before = tier.stats()
+    with pytest.raises(ValueError, match=r"job 1: 2 keys but 1 slot_ids"):
+        submit(TransferJob(1, keys[:2], [0]))
+    with pytest.raises(ValueError, match=r"job 1: slot 8 outside the arena \(0\.\.7\)"):
+        submit(TransferJob(1, [keys[0], b"new"], [0, 8]))
+    with pytest.raises(ValueError, match=r"job 1: slot -1 outside the arena"):
+        submit(TransferJob(1, [b"new"], [-1]))
+    assert tier.stats() == before
+    assert not tier.has_pending_work()
+    assert tier.lookup(b"new") is MISS
+
+
+def test_load_into_one_slot_twice_is_rejected(stored):
+    """Two reads racing into one slot could pass a corrupt block: each is verified over the
+    bytes in its slot after its read."""
+    tier, keys, src, a = stored
+    before = tier.stats()
+    with pytest.raises(ValueError, match=r"job 3: slot 5 given twice"):
+        tier.submit_load(TransferJob(3, keys[:3], [5, 6, 5]))
+    assert tier.stats() == before and not tier.has_pending_work()
+    assert [tier.lookup(k) for k in keys[:3]] == [HIT] * 3
+    ok(store(tier, 4, [b"x", b"y"], [5, 5]), 2 * BS)  # stores may share a source slot
+
+
+def test_duplicate_in_flight_job_id(stored):
+    tier, keys, src, a = stored
+    tier.submit_load(TransferJob(42, keys[:1], [4]))
+    with pytest.raises(ValueError, match="job_id 42 is already in flight"):
+        tier.submit_load(TransferJob(42, keys[1:2], [5]))
+    with pytest.raises(ValueError, match="job_id 42 is already in flight"):
+        tier.submit_store(TransferJob(42, [b"new"], [5]))
+    (res,) = finish(tier)
+    ok(res, BS)
+    ok(load(tier, 42, keys[1:2], [5]), BS)  # free again once collected
+
+
+def test_read_only_arena(root, make_tier, arena):
+    tier = make_tier(root)
+    a = arena(2, BS)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="arena is read-only"):
+        tier.set_arena(a)
+
+
+def test_misaligned_arena(direct_root, make_tier, arena):
+    tier = make_tier(direct_root)
+    assert tier.direct is True
+    raw = arena(3, BS).reshape(-1)
+    shifted = raw[512 : 512 + 2 * BS].reshape(2, BS)
+    with pytest.raises(ValueError, match=r"arena address 0x[0-9a-f]+ is not a multiple of 4096 bytes"):
+        tier.set_arena(shifted)
+    with pytest.raises(ValueError, match=r"arena slot stride 66048 is not a multiple of 4096 bytes"):
+        tier.set_arena(raw[: 2 * (BS + 512)], slot_bytes=BS + 512)
+    with pytest.raises(ValueError, match="smaller than a block"):
+        tier.set_arena(raw, slot_bytes=BS // 2)
+    assert tier.stats()["fixed_buffer_ios"] == 0
+    with pytest.raises(RuntimeError, match="no arena"):
+        tier.submit_load(TransferJob(1, [b"k"], [0]))  # none of them was taken
+
+
+def test_buffered_tier_takes_unaligned_arena(root, make_tier, arena):
+    tier = make_tier(root, direct=False)
+    raw = fill(arena(3, BS).reshape(-1), 16)
+    shifted = raw[100 : 100 + 2 * BS].reshape(2, BS)
+    tier.set_arena(shifted)
+    src = shifted.copy()
+    ok(store(tier, 1, [b"a", b"b"], [0, 1]), 2 * BS)
+    shifted[:] = 0
+    ok(load(tier, 2, [b"b", b"a"], [0, 1]), 2 * BS)
+    assert np.array_equal(shifted[0], src[1]) and np.array_equal(shifted[1], src[0])
+
+
+def test_jobs_need_an_arena_and_an_open_tier(root, make_tier, arena):
+    tier = make_tier(root)
+    with pytest.raises(RuntimeError, match="no arena"):
+        tier.submit_load(TransferJob(1, [b"k"], [0]))
+    tier.set_arena(arena(1, BS))
+    tier.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        tier.submit_store(TransferJob(1, [b"k"], [0]))
+
+
+def test_bad_construction(root):
+    with pytest.raises(ValueError, match="block_size_bytes must be a positive int"):
+        DiskTier(root, 0)
+    with pytest.raises(ValueError, match="cannot hold one block"):
+        DiskTier(root, BS, capacity_bytes=BS)
+    with pytest.raises(ValueError, match="unknown engine 'gds'"):
+        DiskTier(root, BS, engine="gds")
