@@ -141,6 +141,8 @@ py::dict stats_dict(Engine& e) {
   d["fixed_buffer_ios"] = s.fixed_buffer_ios.load();
   d["verify_failures"] = s.verify_failures.load();
   d["rename_existing"] = s.rename_existing.load();
+  d["buffer_registration_failures"] = s.buffer_registration_failures.load();
+  d["buffer_registration_errno"] = s.buffer_registration_errno.load();
   return d;
 }
 
@@ -199,11 +201,13 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Engine>(m, "Engine", R"doc(
 Batched block I/O over io_uring.
 
-Engine(queue_depth=64, max_inflight_bytes=256 MiB, workers=1)
+Engine(queue_depth=64, max_inflight_bytes=256 MiB, workers=1, store_share=0.5)
 
 queue_depth: requests in flight per ring (each request: open, read/write, close in one
 SQE chain, the file held in a fixed-file slot). max_inflight_bytes: payload bytes in
 flight per ring. workers: background threads (one ring each) serving submit().
+store_share: the share of a ring's slots and bytes that stores and unlinks may hold, so
+that loads submitted during a burst of stores start at once (loads have priority).
 run() uses a ring of the calling thread's own. Thread-safe; every wait releases the GIL.
 
 Entry tuples per op:
@@ -213,11 +217,15 @@ Entry tuples per op:
   unlink:        path
 Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
 )doc")
-      .def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned workers) {
+      .def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned workers,
+                       double store_share) {
+             if (!(store_share > 0.0 && store_share <= 1.0))
+               throw py::value_error("store_share must be in (0, 1]");
              EngineConfig c;
              c.queue_depth = queue_depth;
              c.max_inflight_bytes = max_inflight_bytes;
              c.workers = workers;
+             c.store_share = store_share;
              try {
                return std::make_unique<Engine>(c);
              } catch (const std::system_error& e) {
@@ -225,7 +233,7 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
              }
            }),
            py::arg("queue_depth") = 64, py::arg("max_inflight_bytes") = 256ull << 20,
-           py::arg("workers") = 1)
+           py::arg("workers") = 1, py::arg("store_share") = 0.5)
       .def(
           "run",
           [](Engine& e, const std::string& op, const py::sequence& entries, bool direct, uint32_t align,
@@ -302,6 +310,17 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
            "requests whose memory lies inside use READ_FIXED/WRITE_FIXED. The memory must stay\n"
            "valid until unregister_buffers() or shutdown(). Returns the first buffer index.")
       .def("unregister_buffers", &Engine::unregister_buffers)
+      .def(
+          "await_buffers",
+          [](Engine& e, std::optional<double> timeout_s) {
+            py::gil_scoped_release nogil;
+            return e.await_buffers(timeout_s ? *timeout_s : -1.0);
+          },
+          py::arg("timeout_s") = py::none(),
+          "Blocks (GIL released) until the background rings have registered the current fixed\n"
+          "buffers: registration pins (and faults in) the memory, a one-time cost this moves out\n"
+          "of the first jobs. Returns False on timeout. Registration failures (e.g.\n"
+          "RLIMIT_MEMLOCK) are counted in stats(): the rings then use plain READ/WRITE.")
       .def("pending_jobs", &Engine::pending_jobs, "Jobs submitted and not yet finished.")
       .def("stats", &stats_dict,
            "Counters: submits (io_uring_submit calls carrying SQEs), sqes, cqes, jobs_*, requests_*,\n"

@@ -106,13 +106,15 @@ FinishedJob make_finished(Job& job) {
 
 // ---------------------------------------------------------------------------- Ring
 
-Ring::Ring(Engine& engine, unsigned depth, int wake_fd)
+Ring::Ring(Engine& engine, unsigned depth, int wake_fd, bool single_issuer)
     : engine_(engine), depth_(depth), wake_fd_(wake_fd) {
   // Each request takes at most 5 SQEs (open, header, data, fsync, close) plus a follow-up.
   unsigned entries = 8;
   while (entries < depth * 6 + 2) entries <<= 1;
-  // One ring per thread: let the kernel run completion work only when this thread waits
-  // (DEFER_TASKRUN, Linux 6.1), else cooperatively (5.19); older kernels take plain rings.
+  // A worker's ring lives and dies with its thread: let the kernel run completion work only
+  // when that thread waits (SINGLE_ISSUER + DEFER_TASKRUN, Linux 6.1). Rings of run() may be
+  // reused by a later thread, so they only run completion work cooperatively (5.19). Older
+  // kernels take plain rings.
   const unsigned flag_sets[] = {
       IORING_SETUP_SUBMIT_ALL | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
       IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN,
@@ -121,6 +123,7 @@ Ring::Ring(Engine& engine, unsigned depth, int wake_fd)
   io_uring_params p{};
   int rc = -EINVAL;
   for (unsigned f : flag_sets) {
+    if (!single_issuer && (f & IORING_SETUP_SINGLE_ISSUER)) continue;
     p = io_uring_params{};
     p.flags = f;
     rc = io_uring_queue_init_params(entries, &ring_, &p);
@@ -146,7 +149,11 @@ Ring::Ring(Engine& engine, unsigned depth, int wake_fd)
 
 Ring::~Ring() {
   std::vector<Job*> ignored;
-  while (inflight_ > 0) reap(true, ignored);
+  try {
+    while (inflight_ > 0) reap(true, ignored);
+  } catch (const std::exception&) {
+    // Nothing to report to from a destructor; closing the ring cancels what is left.
+  }
   io_uring_queue_exit(&ring_);
   free(headers_);
 }
@@ -170,10 +177,39 @@ io_uring_sqe* Ring::get_sqe() {
   return sqe;
 }
 
-bool Ring::has_capacity(uint64_t len) const {
+// Stores (and unlinks) may hold only part of the ring (EngineConfig::store_share), so a load
+// that arrives during a burst of stores is issued at once: loads have priority.
+uint64_t Ring::byte_budget(bool store) const {
+  uint64_t b = engine_.config().max_inflight_bytes;
+  return store ? std::max<uint64_t>(1, uint64_t(double(b) * engine_.config().store_share)) : b;
+}
+
+unsigned Ring::slot_budget(bool store) const {
+  return store ? std::max(1u, unsigned(double(depth_) * engine_.config().store_share)) : depth_;
+}
+
+bool Ring::has_capacity(uint64_t len, bool store) const {
   if (free_slots_.empty()) return false;
+  if (store && inflight_stores_ >= slot_budget(true)) return false;
   if (inflight_ == 0) return true;
-  return inflight_bytes_ + len <= engine_.config().max_inflight_bytes;
+  const uint64_t used = store ? inflight_store_bytes_ : inflight_bytes_;
+  return used + len <= byte_budget(store);
+}
+
+bool Ring::can_take_whole(const Job& job) const {
+  // One io_uring_submit per job: admit a job when all its requests fit. A job that can never
+  // fit whole streams through the ring, admitted as soon as its first request fits.
+  const bool store = op_is_write(job.op);
+  uint64_t bytes = 0;
+  if (job.op != Op::Unlink)
+    for (const auto& r : job.reqs) bytes += r.length;
+  if (job.reqs.size() > slot_budget(store) || bytes > byte_budget(store))
+    return has_capacity(job.op == Op::Unlink ? 0 : job.reqs[0].length, store);
+  if (job.reqs.size() > free_slots_.size()) return false;
+  if (store && inflight_stores_ + job.reqs.size() > slot_budget(true)) return false;
+  if (inflight_ == 0) return true;
+  const uint64_t used = store ? inflight_store_bytes_ : inflight_bytes_;
+  return used + bytes <= byte_budget(store);
 }
 
 int Ring::fixed_index(uint64_t addr, uint64_t len) const {
@@ -195,8 +231,13 @@ void Ring::sync_buffers() {
   std::vector<iovec> iov;
   for (auto& b : bufs) iov.push_back({reinterpret_cast<void*>(b.addr), size_t(b.len)});
   int rc = io_uring_register_buffers(&ring_, iov.data(), unsigned(iov.size()));
-  if (rc == 0) buffers_ = std::move(bufs);
-  // On failure (e.g. RLIMIT_MEMLOCK) the ring keeps using plain READ/WRITE.
+  if (rc == 0) {
+    buffers_ = std::move(bufs);
+  } else {
+    // E.g. RLIMIT_MEMLOCK: the ring keeps using plain READ/WRITE; counted and reported.
+    engine_.stats().buffer_registration_failures++;
+    engine_.stats().buffer_registration_errno = -rc;
+  }
 }
 
 void Ring::record_error(Ctx& c, int stage, int64_t err) {
@@ -208,12 +249,13 @@ void Ring::record_error(Ctx& c, int stage, int64_t err) {
 
 unsigned Ring::issue(Job& job) {
   const double now = monotonic_seconds();
+  const bool store = op_is_write(job.op);
   if (job.next == 0 && job.start_time == 0) job.start_time = now;
   unsigned n = 0;
   while (job.next < job.reqs.size()) {
     Request& r = job.reqs[job.next];
     uint64_t len = job.op == Op::Unlink ? 0 : r.length;
-    if (!has_capacity(len)) break;
+    if (!has_capacity(len, store)) break;
     uint32_t slot = free_slots_.back();
     free_slots_.pop_back();
     Ctx& c = ctx_[slot];
@@ -228,6 +270,10 @@ unsigned Ring::issue(Job& job) {
     ++job.next;
     ++inflight_;
     inflight_bytes_ += len;
+    if (store) {
+      inflight_store_bytes_ += len;
+      ++inflight_stores_;
+    }
     prep_chain(slot);
     ++n;
   }
@@ -436,8 +482,10 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
 
   // The chain (or follow-up) is complete.
   const bool tmp_write = op_is_write(job.op) && job.op != Op::Unlink && !r.target.empty();
-  if (tmp_write && c.phase == 0) {
-    prep_followup(slot, c.err == 0 ? 1 : 2);  // rename into place, or remove the temporary
+  if (tmp_write && c.phase == 0 && !(c.err != 0 && c.err_stage == kOpen)) {
+    // Rename into place, or remove our temporary (not when the open failed: then the file,
+    // if any, is not ours).
+    prep_followup(slot, c.err == 0 ? 1 : 2);
     return;
   }
   if (tmp_write && c.phase == 3) {
@@ -468,7 +516,12 @@ void Ring::finish(uint32_t slot, std::vector<Job*>& finished) {
   r.result = result;
   r.done_time = monotonic_seconds();
   (result < 0 ? engine_.stats().requests_failed : engine_.stats().requests_ok)++;
-  inflight_bytes_ -= job.op == Op::Unlink ? 0 : r.length;
+  const uint64_t len = job.op == Op::Unlink ? 0 : r.length;
+  inflight_bytes_ -= len;
+  if (op_is_write(job.op)) {
+    inflight_store_bytes_ -= len;
+    --inflight_stores_;
+  }
   --inflight_;
   c.job = nullptr;
   free_slots_.push_back(slot);
@@ -485,12 +538,13 @@ Engine::Engine(EngineConfig cfg) : cfg_(cfg) {
     throw std::invalid_argument("queue_depth must be in 1..4096");
   if (cfg_.workers == 0 || cfg_.workers > 16) throw std::invalid_argument("workers must be in 1..16");
   // Fail early (and clearly) where io_uring is unavailable: build one ring now.
-  { Ring probe(*this, 1, -1); }
+  { Ring probe(*this, 1, -1, false); }
   for (unsigned i = 0; i < cfg_.workers; ++i) {
     int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (fd < 0) throw_errno("eventfd", errno);
     wake_fds_.push_back(fd);
   }
+  worker_buffer_gen_.assign(cfg_.workers, 0);
   for (unsigned i = 0; i < cfg_.workers; ++i) workers_.emplace_back([this, i] { worker_main(i); });
 }
 
@@ -547,7 +601,7 @@ std::vector<int64_t> Engine::run(Job& job) {
   {
     std::lock_guard<std::mutex> lk(rings_mu_);
     auto& slot = sync_rings_[std::this_thread::get_id()];
-    if (!slot) slot = std::make_unique<Ring>(*this, cfg_.queue_depth, -1);
+    if (!slot) slot = std::make_unique<Ring>(*this, cfg_.queue_depth, -1, false);
     ring = slot.get();
   }
   stats_.jobs_submitted++;
@@ -589,17 +643,24 @@ void Engine::submit(std::unique_ptr<Job> job) {
 void Engine::worker_main(unsigned idx) {
   std::unique_ptr<Ring> ring;
   try {
-    ring = std::make_unique<Ring>(*this, cfg_.queue_depth, wake_fds_[idx]);
+    ring = std::make_unique<Ring>(*this, cfg_.queue_depth, wake_fds_[idx], true);
   } catch (const std::exception&) {
     // Leave the jobs to the other workers (Engine() already proved a ring can be built).
     return;
   }
   std::vector<std::unique_ptr<Job>> active;  // issued (partly or wholly), not finished
+  uint64_t reported_generation = 0;
   std::vector<Job*> done;
   for (;;) {
     // Issue: first continue partly issued jobs, then take new ones, loads before stores.
     // Each job's SQEs go to the kernel in their own io_uring_submit.
     if (ring->inflight() == 0) ring->sync_buffers();
+    if (ring->buffers_generation() != reported_generation) {
+      reported_generation = ring->buffers_generation();
+      std::lock_guard<std::mutex> lk(mu_);
+      worker_buffer_gen_[idx] = reported_generation;
+      done_cv_.notify_all();
+    }
     for (auto& j : active) {
       if (j->next < j->reqs.size() && ring->issue(*j) > 0) ring->submit(0);
     }
@@ -610,8 +671,7 @@ void Engine::worker_main(unsigned idx) {
         // Take a new job only when the ring has room for at least one of its requests.
         std::deque<std::unique_ptr<Job>>* q = !loads_.empty() ? &loads_ : &stores_;
         if (q->empty()) break;
-        Job& head = *q->front();
-        if (!ring->has_capacity(head.op == Op::Unlink ? 0 : head.reqs[0].length)) break;
+        if (!ring->can_take_whole(*q->front())) break;
         job = std::move(q->front());
         q->pop_front();
       }
@@ -643,6 +703,25 @@ void Engine::worker_main(unsigned idx) {
       done_cv_.notify_all();
     }
   }
+}
+
+bool Engine::await_buffers(double timeout_s) {
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lk(buf_mu_);
+    gen = buffers_generation_;
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  auto ready = [&] {
+    for (size_t i = 0; i < workers_.size(); ++i)
+      if (worker_buffer_gen_[i] < gen) return false;
+    return true;
+  };
+  if (timeout_s < 0) {
+    done_cv_.wait(lk, ready);
+    return true;
+  }
+  return done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready);
 }
 
 std::vector<FinishedJob> Engine::poll() {

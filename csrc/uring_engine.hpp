@@ -72,6 +72,7 @@ struct EngineConfig {
   unsigned queue_depth = 64;                 // requests in flight per ring
   uint64_t max_inflight_bytes = 256ull << 20;  // payload bytes in flight per ring
   unsigned workers = 1;                      // background rings for submit()
+  double store_share = 0.5;                  // share of slots and bytes stores may hold
 };
 
 struct EngineStats {
@@ -80,6 +81,8 @@ struct EngineStats {
   std::atomic<uint64_t> requests_ok{0}, requests_failed{0};
   std::atomic<uint64_t> bytes_read{0}, bytes_written{0};
   std::atomic<uint64_t> fixed_buffer_ios{0}, verify_failures{0}, rename_existing{0};
+  std::atomic<uint64_t> buffer_registration_failures{0};
+  std::atomic<int> buffer_registration_errno{0};
 };
 
 struct BufferRegion {
@@ -93,7 +96,7 @@ class Engine;
 // Used by exactly one thread.
 class Ring {
  public:
-  Ring(Engine& engine, unsigned depth, int wake_fd);
+  Ring(Engine& engine, unsigned depth, int wake_fd, bool single_issuer);
   ~Ring();
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
@@ -108,9 +111,13 @@ class Ring {
   // submit(1) then reap whatever is ready, or a plain waiting reap when nothing is prepared.
   void submit_and_reap(std::vector<Job*>& finished);
   void sync_buffers();  // re-register the engine's fixed buffers if they changed (idle only)
+  uint64_t buffers_generation() const { return buffers_generation_; }
 
   unsigned inflight() const { return inflight_; }
-  bool has_capacity(uint64_t len) const;
+  bool has_capacity(uint64_t len, bool store) const;
+  bool can_take_whole(const Job& job) const;
+  uint64_t byte_budget(bool store) const;
+  unsigned slot_budget(bool store) const;
   bool has_unsubmitted() const { return unsubmitted_ > 0; }
 
  private:
@@ -142,6 +149,8 @@ class Ring {
   char* headers_ = nullptr;
   unsigned inflight_ = 0;
   uint64_t inflight_bytes_ = 0;
+  uint64_t inflight_store_bytes_ = 0;
+  unsigned inflight_stores_ = 0;
   unsigned unsubmitted_ = 0;
   unsigned wake_sqes_ = 0;
   bool skip_open_cqe_ = false;
@@ -169,6 +178,9 @@ class Engine {
 
   unsigned register_buffer(uint64_t addr, uint64_t len);
   void unregister_buffers();
+  // Blocks until every background ring has registered the current buffers (pinning the
+  // memory), or timeout (<0: none). Returns false on timeout.
+  bool await_buffers(double timeout_s);
   std::vector<BufferRegion> buffers(uint64_t* generation) const;
 
   const EngineConfig& config() const { return cfg_; }
@@ -192,6 +204,7 @@ class Engine {
   size_t outstanding_ = 0;  // submitted and not yet finished
   bool stopping_ = false;
   std::vector<int> wake_fds_;
+  std::vector<uint64_t> worker_buffer_gen_;  // buffers generation each worker's ring has
   std::vector<std::thread> workers_;
 
   std::mutex rings_mu_;

@@ -56,7 +56,8 @@ class PosixEngine:
         self._stats = dict.fromkeys(
             ("submits", "sqes", "cqes", "jobs_submitted", "jobs_finished", "requests_ok",
              "requests_failed", "bytes_read", "bytes_written", "fixed_buffer_ios",
-             "verify_failures", "rename_existing"), 0)
+             "verify_failures", "rename_existing", "buffer_registration_failures",
+             "buffer_registration_errno"), 0)
 
     # --- the Engine interface ------------------------------------------------------------
 
@@ -65,6 +66,9 @@ class PosixEngine:
 
     def unregister_buffers(self) -> None:
         pass
+
+    def await_buffers(self, timeout_s: float | None = None) -> bool:
+        return True
 
     def run(self, op: str, entries, direct: bool = True, align: int = 4096, mem_align: int = 0,
             fsync: bool = False) -> list[int]:

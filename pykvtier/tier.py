@@ -313,6 +313,7 @@ class DiskTier:
         buffers. ``buffer``: numpy array, buffer-protocol object or CPU torch tensor, writable,
         page-aligned; ``slot_bytes`` (default ``block_size_bytes``) >= block_size_bytes.
         Raises ValueError (naming address and alignment) for misaligned or read-only memory.
+        Blocks until the engine has registered (pinned) the memory: a one-time cost.
         Call only while no job is in flight."""
         if self._pending:
             raise RuntimeError("set_arena() while jobs are in flight")
@@ -331,6 +332,14 @@ class DiskTier:
                         f"{self.layout.root}; use page-aligned memory")
         self._engine.unregister_buffers()
         self._engine.register_buffer(arena.addr, arena.nbytes)
+        # Registration pins (and faults in) the whole arena: a one-time cost, paid here.
+        failures = self._engine.stats()["buffer_registration_failures"]
+        self._engine.await_buffers()
+        st = self._engine.stats()
+        if st["buffer_registration_failures"] > failures:
+            logger.warning("pykvtier: registering the arena as io_uring fixed buffers failed (%s); "
+                           "loads use plain reads (raise RLIMIT_MEMLOCK to fix)",
+                           os.strerror(st["buffer_registration_errno"]))
         self._arena = arena
         return arena
 
@@ -732,6 +741,7 @@ class DiskTier:
         s["submits"] = eng["submits"]
         s["engine_sqes"] = eng["sqes"]
         s["fixed_buffer_ios"] = eng["fixed_buffer_ios"]
+        s["buffer_registration_failures"] = eng["buffer_registration_failures"]
         s["used_bytes"] = self._used_bytes
         s["blocks_present"] = len(self._lru)
         s["direct"] = int(self.direct)

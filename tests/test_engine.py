@@ -419,8 +419,6 @@ def test_write_block_fsync(direct_root, aligned, engine):
     assert file_bytes(final)[HEADER_BYTES:] == src.tobytes()
 
 
-@pytest.mark.xfail(strict=True, reason="C++ bug: after a failed O_EXCL open of a write's temporary "
-                   "(-EEXIST), the clean-up unlinks that path, which belongs to another writer")
 def test_failed_exclusive_open_leaves_foreign_temporary_alone(direct_root, aligned, engine):
     size = 64 * KiB
     src = aligned(size, fill=15)
@@ -506,9 +504,6 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="C++ bug: run() keeps one ring per std::thread::id; a new "
-                   "thread that reuses a finished thread's id gets that thread's SINGLE_ISSUER ring "
-                   "(io_uring_submit: -EEXIST), and shutdown() then aborts in ~Ring")
 def test_run_from_short_lived_threads(root):
     # in a child process: the failure mode aborts the interpreter
     proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, os.path.join(root, "t")],
@@ -654,9 +649,8 @@ def test_drain_many_jobs(root, aligned):
         assert got.pop(99_999) == ("read", [], 0)
         assert {jid: r[:2] for jid, r in got.items()} == {
             10_000 + i: ("read", [size, size]) for i in range(0, n, 2)}
-        # a worker admits a job once its first request fits its ring (8 deep, shared by many
-        # jobs here), so a job may go out in two submits
-        assert all(1 <= r[2] <= 2 for r in got.values())
+        # a worker admits a job only when all of it fits its ring: one submit per job
+        assert all(r[2] == 1 for r in got.values())
         assert np.array_equal(src, dst)
         s = e.stats()
         assert s["jobs_submitted"] == s["jobs_finished"] == n + n // 2 + 1
@@ -729,3 +723,31 @@ def test_one_gib_request(direct_root, aligned):
         assert np.array_equal(buf, back)
     finally:
         e.shutdown()
+
+
+def test_loads_overtake_a_burst_of_stores(direct_root, aligned):
+    """Loads have priority: stores hold at most store_share of the ring, so a load submitted
+    after a long store job is issued at once and finishes first."""
+    e = Engine(queue_depth=8, workers=1, store_share=0.25)
+    try:
+        size, n_store = 1 * MiB, 64
+        src = aligned(n_store * size, fill=3)
+        dst = aligned(2 * size)
+        paths = [os.path.join(direct_root, f"l{i}") for i in range(2)]
+        e.run("write", [(p, 0, size, addr(src)) for p in paths])
+        e.submit(1, "write", [(os.path.join(direct_root, f"s{i}"), 0, size, addr(src) + i * size)
+                              for i in range(n_store)])
+        e.submit(2, "read", [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
+        order = []
+        while len(order) < 2:
+            e.wait()
+            order += [jid for jid, *_ in e.poll()]
+        assert order == [2, 1]
+        assert np.array_equal(dst[:size], src[:size]) and np.array_equal(dst[size:], src[:size])
+    finally:
+        e.shutdown()
+
+
+def test_store_share_is_checked():
+    with pytest.raises(ValueError, match="store_share"):
+        Engine(store_share=0.0)

@@ -1,0 +1,879 @@
+"""``pykvtier replay``: replay a KV-cache trace against a :class:`~pykvtier.DiskTier`.
+
+For each request, in trace order, the replay does what an inference engine does with a
+secondary tier:
+
+1. **phase 1** - look up the request's prefix blocks in order and stop at the first MISS;
+   a RETRY is asked again after a scheduler step (``tier.on_step_end()``) until it resolves;
+2. **phase 2** - load the hit prefix into slots of a page-aligned host arena (one load job
+   per request) and check every loaded byte against the bytes the block's key stands for;
+3. "compute" the rest of the prompt - generate the missed blocks' bytes deterministically
+   from their keys - and store them (one store job per request). Stores run in the
+   background while the next requests are looked up and loaded, as in an engine.
+
+A trace block (512 tokens) is split into ``512 / tokens_per_block`` engine blocks of the
+model's real KV size (:mod:`pykvtier.models`); engine block ``(hash_id, i)`` has the key
+:func:`block_key`. The block bytes are a 4 KiB random table XORed with a 64-bit word derived
+from the key and the page index, so every 4 KiB page differs by key and by page index and a
+block costs one memory pass to make and one to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import mmap
+import os
+import re
+import resource
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from . import models as _models
+from .trace import TRACE_BLOCK_TOKENS, Request, TraceFormatError, load_trace
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_TOKENS_PER_BLOCK",
+    "DEFAULT_MAX_REQUESTS",
+    "DEFAULT_CAPACITY",
+    "ReplayConfig",
+    "ReplayConfigError",
+    "ReplaySummary",
+    "BlockPattern",
+    "block_key",
+    "parse_size",
+    "format_bytes",
+    "run_replay",
+    "add_arguments",
+    "main",
+]
+
+# Defaults: about a minute on a 2-core VM with a ~1 GB/s virtual disk, with the capacity
+# well below the working set so the tier has to evict. See `pykvtier replay --help`.
+DEFAULT_MODEL = "qwen2.5-7b"
+DEFAULT_TOKENS_PER_BLOCK = 32  # 32 x 56 KiB = 1.75 MiB blocks, 16 per trace block
+DEFAULT_MAX_REQUESTS = 40
+DEFAULT_CAPACITY = "8GiB"
+
+#: Arena size the auto rule aims for (slots for at least two requests when it fits).
+ARENA_SOFT_LIMIT_BYTES = 4 << 30
+
+PAGE_BYTES = 4096
+_WORDS_PER_PAGE = PAGE_BYTES // 8
+_KEY = struct.Struct("<4sQII")  # tag, trace hash id, sub-block index, block size in bytes
+_KEY_TAG = b"mck1"
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_TABLE_SEED = 0x6B76_7469_6572  # "kvtier"
+_LOOKUP_RETRY_DEADLINE_S = 30.0
+_STALL_DEADLINE_S = 300.0  # no job finished for this long while jobs are in flight: give up
+# Store failures that are the tier declining a block under capacity pressure (blocks being
+# written or read hold the space, or the key's old file is still being evicted): an engine
+# just does not cache those blocks. Counted and shown, but not errors.
+_STORE_REJECTIONS = ("no capacity", "block is being evicted")
+
+
+class ReplayConfigError(ValueError):
+    """The replay cannot run with these settings (message says why)."""
+
+
+# --------------------------------------------------------------------------------------
+# sizes
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count: ``8589934592``, ``8GiB``, ``8G``, ``1.5GiB``, ``512M``, ``8GB``.
+
+    ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB`` powers of 1000.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: expected a number of bytes with an optional suffix "
+            "K/M/G/T, KiB/MiB/GiB/TiB (x1024) or KB/MB/GB/TB (x1000), e.g. 8GiB"
+        )
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value != int(value) and unit in ("", "b"):
+        raise ValueError(f"invalid size {text!r}: fractional bytes")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """``1835008`` -> ``'1.75 MiB'``."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# --------------------------------------------------------------------------------------
+# keys and block bytes
+
+
+def block_key(hash_id: int, sub_index: int, block_size_bytes: int) -> bytes:
+    """Key of engine block ``sub_index`` of trace block ``hash_id`` (20 bytes).
+
+    The block size is part of the key: the same trace block replayed with another model or
+    block size is other content, and a shared root must never confuse the two.
+    """
+    return _KEY.pack(_KEY_TAG, hash_id, sub_index, block_size_bytes)
+
+
+def _key_word(key: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+class BlockPattern:
+    """Deterministic, cheap block contents: ``table[w] ^ (kw + page * GOLDEN)``.
+
+    ``table`` is one fixed random 4 KiB page; ``kw`` is a 64-bit digest of the key. Filling
+    or checking a block is one vectorised pass over it.
+    """
+
+    def __init__(self, block_size_bytes: int) -> None:
+        if block_size_bytes <= 0 or block_size_bytes % 8:
+            raise ValueError(f"block size must be a positive multiple of 8, got {block_size_bytes}")
+        self.block_size = block_size_bytes
+        self.words = block_size_bytes // 8
+        self.full_pages, self.tail_words = divmod(self.words, _WORDS_PER_PAGE)
+        npages = self.full_pages + (1 if self.tail_words else 0)
+        self.table = np.random.Generator(np.random.PCG64(_TABLE_SEED)).integers(
+            0, 2**64, size=_WORDS_PER_PAGE, dtype=np.uint64, endpoint=False
+        )
+        self._page_offsets = np.arange(npages, dtype=np.uint64) * _GOLDEN
+        self._salts = np.empty(npages, dtype=np.uint64)
+        self._scratch = np.empty(self.words, dtype=np.uint64)
+
+    def fill(self, out: np.ndarray, key: bytes) -> None:
+        """Write the block of ``key`` into ``out`` (a uint64 array of ``words`` elements)."""
+        np.add(self._page_offsets, np.uint64(_key_word(key)), out=self._salts)
+        salts = self._salts
+        fp = self.full_pages
+        if fp:
+            np.bitwise_xor(
+                self.table[None, :],
+                salts[:fp, None],
+                out=out[: fp * _WORDS_PER_PAGE].reshape(fp, _WORDS_PER_PAGE),
+            )
+        if self.tail_words:
+            np.bitwise_xor(
+                self.table[: self.tail_words], salts[fp], out=out[fp * _WORDS_PER_PAGE :]
+            )
+
+    def expected(self, key: bytes) -> np.ndarray:
+        """The block of ``key`` (a reused scratch array: copy it to keep it)."""
+        self.fill(self._scratch, key)
+        return self._scratch
+
+    def matches(self, data: np.ndarray, key: bytes) -> bool:
+        """Whether ``data`` (uint64 view of one block) holds exactly the block of ``key``."""
+        return bool(np.array_equal(data, self.expected(key)))
+
+    def block_bytes(self, key: bytes) -> bytes:
+        return self.expected(key).tobytes()
+
+
+# --------------------------------------------------------------------------------------
+# configuration and result
+
+
+@dataclass
+class ReplayConfig:
+    """What to replay, and how. Sizes in bytes."""
+
+    trace: str | None = None  # None: the bundled Mooncake conversation trace
+    model: str = DEFAULT_MODEL
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
+    max_requests: int | None = DEFAULT_MAX_REQUESTS
+    capacity_bytes: int | None = parse_size(DEFAULT_CAPACITY)
+    root: str | None = None  # None: a temporary directory, removed at the end
+    engine: str = "auto"
+    progress: bool = True
+    arena_bytes: int | None = None  # None: auto (see _arena_slots)
+
+
+@dataclass
+class ReplaySummary:
+    """Result of a replay. ``ok`` is False if any block failed verification or any error."""
+
+    trace: str
+    model: str
+    tokens_per_block: int
+    block_size_bytes: int
+    engine: str
+    root: str
+    root_removed: bool
+    capacity_bytes: int | None
+    arena_bytes: int
+    requests: int
+    blocks_requested: int
+    blocks_looked_up: int
+    blocks_hit: int
+    blocks_hit_pending: int
+    lookup_retries: int
+    block_hit_ratio: float
+    byte_hit_ratio: float
+    prompt_kv_bytes: int
+    hit_kv_bytes: int
+    load_jobs: int
+    store_jobs: int
+    blocks_loaded: int
+    blocks_stored: int
+    bytes_loaded: int
+    bytes_stored: int
+    load_busy_s: float
+    store_busy_s: float
+    load_gbps: float
+    store_gbps: float
+    load_latency_ms_p50: float | None
+    load_latency_ms_p99: float | None
+    load_latency_ms_max: float | None
+    cpu_s: float
+    cpu_s_per_gib: float | None
+    harness_cpu_s: float
+    tier_cpu_s_per_gib: float | None
+    evictions: int
+    verification_failures: int
+    tier_verify_failures: int
+    load_failed_keys: int
+    store_failed_keys: int
+    store_rejected_keys: int
+    errors: int
+    failure_reasons: dict[str, int]
+    error_samples: list[str]
+    wall_s: float
+    tier_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.verification_failures == 0 and self.errors == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+# --------------------------------------------------------------------------------------
+# the replay
+
+
+class _Progress:
+    """tqdm when available, else a line on stderr about once a second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar = None
+        self._enabled = enabled
+        self._total = total
+        self._n = 0
+        self._last = 0.0
+        self._postfix = ""
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, postfix: str) -> None:
+        self._n += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(1)
+        elif self._enabled:
+            now = time.monotonic()
+            if now - self._last >= 1.0 or self._n == self._total:
+                self._last = now
+                print(f"replay: {self._n}/{self._total} requests  {postfix}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+@dataclass
+class _Pending:
+    is_load: bool
+    keys: list[bytes]
+    slots: list[int]
+    submit_t: float
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default) of already sorted values."""
+    if not sorted_values:
+        return None
+    return float(np.percentile(np.asarray(sorted_values), q))
+
+
+def _union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end] intervals."""
+    total = 0.0
+    cur_s = cur_e = None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _arena_slots(max_blocks: int, block_size: int, arena_bytes: int | None) -> int:
+    """Slots of the host arena: at least the largest request; room for two when it fits."""
+    need = max(1, max_blocks)
+    if arena_bytes is not None:
+        slots = arena_bytes // block_size
+        if slots < need:
+            raise ReplayConfigError(
+                f"arena of {format_bytes(arena_bytes)} holds {slots} blocks of "
+                f"{format_bytes(block_size)}, but the largest request needs {need}"
+            )
+        return slots
+    return max(need, min(2 * need, ARENA_SOFT_LIMIT_BYTES // block_size))
+
+
+def _allocate_arena(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Anonymous private mapping: page-aligned, zero-filled on first touch."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:  # transparent huge pages: ~500x fewer page faults to touch (or pin) the arena
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    assert arr.ctypes.data % PAGE_BYTES == 0
+    return mm, arr
+
+
+def _rusage_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _default_tier_factory(root: str, block_size: int, capacity: int | None, engine: str):
+    from . import DiskTier
+
+    return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine)
+
+
+def run_replay(
+    config: ReplayConfig,
+    requests: Sequence[Request] | None = None,
+    *,
+    tier_factory: Callable[[str, int, int | None, str], Any] | None = None,
+) -> ReplaySummary:
+    """Replay ``requests`` (default: ``load_trace(config.trace, config.max_requests)``).
+
+    ``tier_factory(root, block_size_bytes, capacity_bytes, engine)`` makes the tier
+    (default: :class:`pykvtier.DiskTier`).
+    """
+    from . import LookupResult, TransferJob
+
+    preset = _models.get_preset(config.model)
+    tpb = _models.validate_tokens_per_block(config.tokens_per_block)
+    spb = TRACE_BLOCK_TOKENS // tpb
+    bs = preset.block_size_bytes(tpb)
+    kv_per_token = preset.kv_bytes_per_token
+
+    if requests is None:
+        requests = load_trace(config.trace, config.max_requests)
+        trace_name = config.trace if config.trace is not None else "<bundled mooncake_conversation_trace.jsonl.gz>"
+    else:
+        requests = list(requests)
+        if config.max_requests is not None:
+            requests = requests[: config.max_requests]
+        trace_name = "<in-memory>" if config.trace is None else config.trace
+
+    max_blocks = max((len(r.hash_ids) * spb for r in requests), default=1)
+    nslots = _arena_slots(max_blocks, bs, config.arena_bytes)
+    words_per_block = bs // 8
+    pattern = BlockPattern(bs)
+
+    root_given = config.root is not None
+    if root_given:
+        root = os.path.abspath(config.root)
+        os.makedirs(root, exist_ok=True)
+    else:
+        root = tempfile.mkdtemp(prefix="pykvtier-replay-")
+
+    factory = tier_factory or _default_tier_factory
+    mm = None
+    tier = None
+    root_removed = False
+    try:
+        mm, arena = _allocate_arena(nslots * bs)
+        arena64 = arena.view(np.uint64)
+        try:
+            tier = factory(root, bs, config.capacity_bytes, config.engine)
+        except ValueError as exc:  # bad engine, unusable root, capacity below one block, ...
+            raise ReplayConfigError(f"cannot open the tier at {root}: {exc}") from exc
+        tier.set_arena(arena)
+
+        def slot_view(slot: int) -> np.ndarray:
+            return arena64[slot * words_per_block : (slot + 1) * words_per_block]
+
+        # LIFO: reuse the slots freed last (warm in cache and already faulted in)
+        free_slots: list[int] = list(range(nslots - 1, -1, -1))
+        pending: dict[int, _Pending] = {}
+        job_ids = itertools.count(1)
+
+        # counters
+        c = dict(
+            blocks_requested=0, blocks_looked_up=0, blocks_hit=0, blocks_hit_pending=0,
+            lookup_retries=0, load_jobs=0, store_jobs=0, blocks_loaded=0, blocks_stored=0,
+            bytes_loaded=0, bytes_stored=0, verification_failures=0, errors=0,
+            prompt_tokens=0, hit_tokens=0, load_failed_keys=0, store_failed_keys=0,
+            store_rejected_keys=0,
+        )
+        failure_reasons: dict[str, int] = {}
+        error_samples: list[str] = []
+        load_intervals: list[tuple[float, float]] = []
+        store_intervals: list[tuple[float, float]] = []
+        load_latencies: list[float] = []
+        harness_cpu = 0.0
+
+        def error(msg: str, count: int = 1) -> None:
+            c["errors"] += count
+            if len(error_samples) < 20:
+                error_samples.append(msg)
+
+        last_finish = [time.monotonic()]  # when a job last finished (stall detection)
+
+        def handle(results: Iterable[Any]) -> None:
+            nonlocal harness_cpu
+            now = time.perf_counter()
+            for r in results:
+                last_finish[0] = time.monotonic()
+                p = pending.pop(r.job_id, None)
+                if p is None:
+                    error(f"job {r.job_id}: finished but was never submitted (or finished twice)")
+                    continue
+                if bool(r.is_load) != p.is_load:
+                    error(f"job {r.job_id}: reported is_load={r.is_load}, submitted as {'load' if p.is_load else 'store'}")
+                if r.successful_keys is None:
+                    ok_keys = set(p.keys) if r.success else set()
+                else:
+                    ok_keys = set(r.successful_keys)
+                failed = [k for k in p.keys if k not in ok_keys]
+                if failed:
+                    reasons = getattr(r, "failed_keys", None) or {}
+                    kind = "load" if p.is_load else "store"
+                    hard = []
+                    for k in failed:
+                        reason = str(reasons.get(k, "no reason given"))
+                        failure_reasons[f"{kind}: {reason}"] = failure_reasons.get(f"{kind}: {reason}", 0) + 1
+                        if p.is_load:
+                            c["load_failed_keys"] += 1
+                            hard.append(k)
+                        elif reason.startswith(_STORE_REJECTIONS):
+                            c["store_rejected_keys"] += 1  # the tier declined it: capacity pressure
+                        else:
+                            c["store_failed_keys"] += 1
+                            hard.append(k)
+                    if hard:
+                        error(
+                            f"{kind} job {r.job_id}: {len(hard)} of {len(p.keys)} keys failed "
+                            f"(first {hard[0].hex()}: {reasons.get(hard[0], 'no reason given')})",
+                            len(hard),
+                        )
+                if p.is_load:
+                    load_intervals.append((p.submit_t, now))
+                    load_latencies.append(now - p.submit_t)
+                    t0 = time.thread_time()
+                    for key, slot in zip(p.keys, p.slots):
+                        if key in ok_keys:
+                            c["blocks_loaded"] += 1
+                            if not pattern.matches(slot_view(slot), key):
+                                c["verification_failures"] += 1
+                                if len(error_samples) < 20:
+                                    error_samples.append(f"load job {r.job_id}: block {key.hex()} (slot {slot}) has the wrong bytes")
+                    harness_cpu += time.thread_time() - t0
+                    c["bytes_loaded"] += bs * sum(1 for k in p.keys if k in ok_keys)
+                else:
+                    store_intervals.append((p.submit_t, now))
+                    written = r.transfer_bytes
+                    n_ok = sum(1 for k in p.keys if k in ok_keys)
+                    c["blocks_stored"] += n_ok
+                    c["bytes_stored"] += int(written) if written is not None else bs * n_ok
+                free_slots.extend(p.slots)
+
+        def poll() -> None:
+            if pending:
+                handle(tier.get_finished_jobs())
+
+        def wait_some(timeout: float = 0.05) -> None:
+            results = tier.wait(timeout_s=timeout)
+            if results:
+                handle(results)
+            elif pending and time.monotonic() - last_finish[0] > _STALL_DEADLINE_S:
+                raise RuntimeError(
+                    f"tier stalled: {len(pending)} job(s) in flight and none finished for "
+                    f"{_STALL_DEADLINE_S:.0f} s (job ids {sorted(pending)[:8]})"
+                )
+
+        def lookup(key: bytes):
+            deadline = None
+            while True:
+                res = tier.lookup(key)
+                if res != LookupResult.RETRY:
+                    return res
+                c["lookup_retries"] += 1
+                tier.on_step_end()  # the next scheduler step: flushes the existence probe
+                if pending:
+                    # A block being written answers RETRY until its store lands, however long
+                    # that takes; wait_some() gives up only if the tier stops finishing jobs.
+                    deadline = None
+                    wait_some(0.01)
+                else:
+                    # Nothing of ours in flight: only an existence probe can be pending.
+                    if deadline is None:
+                        deadline = time.monotonic() + _LOOKUP_RETRY_DEADLINE_S
+                    elif time.monotonic() > deadline:
+                        error(f"lookup of {key.hex()} still RETRY after {_LOOKUP_RETRY_DEADLINE_S:.0f} s "
+                              "with nothing in flight; treated as MISS")
+                        return LookupResult.MISS
+                    time.sleep(0.0002)
+
+        def take_slots(n: int) -> list[int]:
+            while len(free_slots) < n:
+                if not pending:
+                    raise RuntimeError(f"arena exhausted: need {n} slots, {len(free_slots)} free, nothing in flight")
+                wait_some(0.1)
+            return [free_slots.pop() for _ in range(n)]
+
+        progress = _Progress(len(requests), config.progress)
+        cpu0 = _rusage_cpu()
+        t_start = time.perf_counter()
+        try:
+            for req in requests:
+                t0 = time.thread_time()
+                keys = [block_key(h, s, bs) for h in req.hash_ids for s in range(spb)]
+                harness_cpu += time.thread_time() - t0
+                n = len(keys)
+                c["blocks_requested"] += n
+                c["prompt_tokens"] += req.input_length
+
+                # phase 1: the longest prefix the tier holds
+                hits = 0
+                for key in keys:
+                    res = lookup(key)
+                    c["blocks_looked_up"] += 1
+                    if res == LookupResult.HIT:
+                        hits += 1
+                    elif res == LookupResult.HIT_PENDING:
+                        hits += 1
+                        c["blocks_hit_pending"] += 1
+                    else:
+                        break
+                tier.on_step_end()
+                c["blocks_hit"] += hits
+                c["hit_tokens"] += min(hits * tpb, req.input_length)
+
+                slots = take_slots(n)
+                # phase 2: promote the prefix (one job), wait for it, check every byte
+                if hits:
+                    jid = next(job_ids)
+                    p = _Pending(True, keys[:hits], slots[:hits], time.perf_counter())
+                    pending[jid] = p
+                    tier.submit_load(TransferJob(jid, p.keys, p.slots))
+                    c["load_jobs"] += 1
+                    while jid in pending:
+                        wait_some(1.0)
+                else:
+                    poll()
+                # "compute" the rest of the prompt, then cascade it (one job, in the background)
+                if hits < n:
+                    t0 = time.thread_time()
+                    for key, slot in zip(keys[hits:], slots[hits:]):
+                        pattern.fill(slot_view(slot), key)
+                    harness_cpu += time.thread_time() - t0
+                    jid = next(job_ids)
+                    p = _Pending(False, keys[hits:], slots[hits:], time.perf_counter())
+                    pending[jid] = p
+                    tier.submit_store(TransferJob(jid, p.keys, p.slots))
+                    c["store_jobs"] += 1
+                poll()
+                progress.update(
+                    f"hit {c['blocks_hit'] / max(1, c['blocks_requested']):.1%} "
+                    f"load {format_bytes(c['bytes_loaded'])} store {format_bytes(c['bytes_stored'])}"
+                )
+            while pending:
+                wait_some(1.0)
+            tier.drain()
+            handle(tier.get_finished_jobs())
+        finally:
+            progress.close()
+        wall = time.perf_counter() - t_start
+        cpu = _rusage_cpu() - cpu0
+
+        stats = dict(tier.stats())
+        engine_name = str(stats.get("engine") or getattr(tier, "engine_name", None) or config.engine)
+        if "direct" in stats:
+            engine_name += ", O_DIRECT" if stats["direct"] else ", buffered I/O"
+        tier_verify = int(stats.get("verify_failures", 0) or 0)
+        if tier_verify:
+            error(f"the tier found {tier_verify} block(s) on disk that failed their checksum/identity proof", 0)
+
+        moved_gib = (c["bytes_loaded"] + c["bytes_stored"]) / (1 << 30)
+        load_busy = _union_seconds(load_intervals)
+        store_busy = _union_seconds(store_intervals)
+        lat = sorted(load_latencies)
+        summary = ReplaySummary(
+            trace=str(trace_name),
+            model=preset.name,
+            tokens_per_block=tpb,
+            block_size_bytes=bs,
+            engine=engine_name,
+            root=root,
+            root_removed=False,
+            capacity_bytes=config.capacity_bytes,
+            arena_bytes=nslots * bs,
+            requests=len(requests),
+            blocks_requested=c["blocks_requested"],
+            blocks_looked_up=c["blocks_looked_up"],
+            blocks_hit=c["blocks_hit"],
+            blocks_hit_pending=c["blocks_hit_pending"],
+            lookup_retries=c["lookup_retries"],
+            block_hit_ratio=c["blocks_hit"] / c["blocks_requested"] if c["blocks_requested"] else 0.0,
+            byte_hit_ratio=c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            prompt_kv_bytes=c["prompt_tokens"] * kv_per_token,
+            hit_kv_bytes=c["hit_tokens"] * kv_per_token,
+            load_jobs=c["load_jobs"],
+            store_jobs=c["store_jobs"],
+            blocks_loaded=c["blocks_loaded"],
+            blocks_stored=c["blocks_stored"],
+            bytes_loaded=c["bytes_loaded"],
+            bytes_stored=c["bytes_stored"],
+            load_busy_s=load_busy,
+            store_busy_s=store_busy,
+            load_gbps=c["bytes_loaded"] / load_busy / 1e9 if load_busy > 0 else 0.0,
+            store_gbps=c["bytes_stored"] / store_busy / 1e9 if store_busy > 0 else 0.0,
+            load_latency_ms_p50=None if not lat else _percentile(lat, 50) * 1e3,
+            load_latency_ms_p99=None if not lat else _percentile(lat, 99) * 1e3,
+            load_latency_ms_max=None if not lat else lat[-1] * 1e3,
+            cpu_s=cpu,
+            cpu_s_per_gib=cpu / moved_gib if moved_gib > 0 else None,
+            harness_cpu_s=harness_cpu,
+            tier_cpu_s_per_gib=max(0.0, cpu - harness_cpu) / moved_gib if moved_gib > 0 else None,
+            evictions=int(stats.get("evictions", 0) or 0),
+            verification_failures=c["verification_failures"],
+            tier_verify_failures=tier_verify,
+            load_failed_keys=c["load_failed_keys"],
+            store_failed_keys=c["store_failed_keys"],
+            store_rejected_keys=c["store_rejected_keys"],
+            errors=c["errors"] + tier_verify,
+            failure_reasons=dict(sorted(failure_reasons.items(), key=lambda kv: -kv[1])),
+            error_samples=error_samples,
+            wall_s=wall,
+            tier_stats={k: _jsonable(v) for k, v in stats.items()},
+        )
+    finally:
+        if tier is not None:
+            try:
+                tier.shutdown()
+            finally:
+                tier = None
+        if mm is not None:
+            arena = arena64 = None  # noqa: F841 - drop our views so the mapping can close
+            try:
+                mm.close()
+            except BufferError:
+                pass  # something still holds a view (the tier); the GC unmaps it later
+        if not root_given:
+            shutil.rmtree(root, ignore_errors=True)
+            root_removed = True
+    summary.root_removed = root_removed
+    return summary
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    return str(v)
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+
+
+def format_summary(s: ReplaySummary) -> str:
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f} ms"
+
+    cap = "unlimited" if s.capacity_bytes is None else format_bytes(s.capacity_bytes)
+    per_gib = "n/a" if s.cpu_s_per_gib is None else f"{s.cpu_s_per_gib:.2f} CPU s/GiB moved"
+    tier_per_gib = "n/a" if s.tier_cpu_s_per_gib is None else f"{s.tier_cpu_s_per_gib:.2f} s/GiB"
+    lines = [
+        f"pykvtier replay: {s.requests} requests of {s.trace}",
+        f"  model {s.model}, {s.tokens_per_block} tokens/block -> blocks of {format_bytes(s.block_size_bytes)} "
+        f"({s.block_size_bytes} B); engine {s.engine}; capacity {cap}; arena {format_bytes(s.arena_bytes)}",
+        f"  root {s.root}{' (removed)' if s.root_removed else ''}",
+        f"  blocks      {s.blocks_requested} requested, {s.blocks_looked_up} looked up, {s.blocks_hit} hit"
+        f" ({s.blocks_hit_pending} pending), {s.lookup_retries} RETRY answers",
+        f"  hit ratio   blocks {s.block_hit_ratio:.2%}, bytes {s.byte_hit_ratio:.2%} "
+        f"({format_bytes(s.hit_kv_bytes)} of {format_bytes(s.prompt_kv_bytes)} prompt KV)",
+        f"  loaded      {format_bytes(s.bytes_loaded)} in {s.load_jobs} jobs, {s.load_busy_s:.2f} s busy"
+        f" -> {s.load_gbps:.2f} GB/s; per-request latency p50 {ms(s.load_latency_ms_p50)},"
+        f" p99 {ms(s.load_latency_ms_p99)}, max {ms(s.load_latency_ms_max)}",
+        f"  stored      {format_bytes(s.bytes_stored)} in {s.store_jobs} jobs, {s.store_busy_s:.2f} s busy"
+        f" -> {s.store_gbps:.2f} GB/s; {s.store_rejected_keys} blocks declined by the tier (capacity)",
+        f"  CPU         {s.cpu_s:.2f} s, {per_gib} (tier alone {tier_per_gib};"
+        f" replay's fill+verify {s.harness_cpu_s:.2f} s)",
+        f"  evictions   {s.evictions}",
+        f"  verification failures {s.verification_failures}, errors {s.errors}"
+        f" (load failures {s.load_failed_keys}, store failures {s.store_failed_keys},"
+        f" tier checksum failures {s.tier_verify_failures})",
+        f"  wall        {s.wall_s:.2f} s",
+    ]
+    for reason, n in s.failure_reasons.items():
+        lines.append(f"  - {n} x {reason}")
+    for msg in s.error_samples:
+        lines.append(f"  ! {msg}")
+    lines.append("  OK" if s.ok else "  FAILED")
+    return "\n".join(lines)
+
+
+def _size_arg(text: str) -> int | None:
+    if text.strip().lower() in ("none", "unlimited", "inf"):
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+HELP = "replay a KV-cache trace (default: bundled Mooncake conversation) against the disk tier"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    presets = ", ".join(
+        f"{p.name} ({p.kv_bytes_per_token} B/token)" for p in _models.PRESETS.values()
+    )
+    parser.description = (
+        "Replay a KV-cache trace against a DiskTier as an engine would: look up each request's "
+        "prefix blocks (stop at the first MISS), load the hits into a host arena and check every "
+        "byte, then store the missed blocks. Prints hit ratios, GB/s, load latency, CPU per GiB, "
+        "evictions and verification failures; exits 1 if any block failed verification or any "
+        "error occurred."
+    )
+    parser.add_argument(
+        "trace", nargs="?", default=None,
+        help="trace file (.jsonl or .jsonl.gz, Mooncake format); default: the bundled "
+        "Mooncake FAST'25 conversation trace",
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); one of: {presets}")
+    parser.add_argument(
+        "--tokens-per-block", type=_positive_int, default=DEFAULT_TOKENS_PER_BLOCK,
+        help=f"tokens per engine block, a divisor of {TRACE_BLOCK_TOKENS} (default {DEFAULT_TOKENS_PER_BLOCK})",
+    )
+    parser.add_argument(
+        "--max-requests", default=str(DEFAULT_MAX_REQUESTS),
+        help=f"replay only the first N requests; 'all' for the whole trace (default {DEFAULT_MAX_REQUESTS})",
+    )
+    parser.add_argument(
+        "--capacity", type=_size_arg, default=parse_size(DEFAULT_CAPACITY),
+        help=f"tier capacity, e.g. 8GiB, 8G, 500MB, or 'none' (default {DEFAULT_CAPACITY})",
+    )
+    parser.add_argument(
+        "--root", default=None,
+        help="directory for the block files (kept); default: a new temporary directory, removed at the end",
+    )
+    parser.add_argument("--engine", choices=("auto", "uring", "posix"), default="auto", help="data path engine (default auto)")
+    parser.add_argument("--arena", type=_size_arg, default=None, help="host arena size (default: auto)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if str(args.max_requests).strip().lower() == "all":
+        max_requests = None
+    else:
+        try:
+            max_requests = _positive_int(str(args.max_requests))
+        except argparse.ArgumentTypeError as exc:
+            print(f"pykvtier replay: --max-requests: {exc}", file=sys.stderr)
+            return 2
+    try:
+        _models.get_preset(args.model)
+        _models.validate_tokens_per_block(args.tokens_per_block)
+    except ValueError as exc:
+        print(f"pykvtier replay: {exc}", file=sys.stderr)
+        return 2
+    config = ReplayConfig(
+        trace=args.trace,
+        model=args.model,
+        tokens_per_block=args.tokens_per_block,
+        max_requests=max_requests,
+        capacity_bytes=args.capacity,
+        root=args.root,
+        engine=args.engine,
+        progress=not (args.no_progress or args.json),
+        arena_bytes=args.arena,
+    )
+    try:
+        summary = run_replay(config)
+    except (FileNotFoundError, TraceFormatError, ReplayConfigError, _models.UnknownModelError) as exc:
+        print(f"pykvtier replay: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary.to_dict(), sort_keys=False))
+    else:
+        print(format_summary(summary))
+    return 0 if summary.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pykvtier.replay``: the same as ``pykvtier replay``."""
+    parser = argparse.ArgumentParser(prog="pykvtier replay")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""`pykvtier replay` end to end against the real DiskTier (small blocks, small slices)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pykvtier import cli, models
+from pykvtier.replay import ReplayConfig, ReplayConfigError, block_key, run_replay
+from pykvtier.trace import Request, load_trace
+
+pytest.importorskip("pykvtier._native", reason="the native engine is not built")
+
+TINY_TPB = 128  # tiny model: 256 B/token x 128 = 32 KiB blocks, 4 per trace block
+TINY_BS = models.block_size_bytes("tiny", TINY_TPB)
+SPB = 512 // TINY_TPB
+
+# (hash_ids) of a handmade trace, with the hits an unlimited tier must give
+HANDMADE = [
+    ([1, 2, 3], 0),  # cold: miss at (1,0); stores 12 blocks
+    ([1, 2, 4], 8),  # 1 and 2 hit, miss at (4,0); stores 4
+    ([1, 5], 4),  # 1 hits; stores 4
+    ([6, 1], 0),  # miss at (6,0): prefix stops although 1 is there; stores 4 new (+4 present)
+    ([1, 2, 3], 12),  # all hit, nothing to store
+    ([6, 1, 2], 12),  # all hit
+]
+
+
+def _requests(spec):
+    return [Request(i, 512 * len(ids), 1, tuple(ids)) for i, (ids, _) in enumerate(spec)]
+
+
+def _config(root, **kw):
+    base = dict(
+        model="tiny",
+        tokens_per_block=TINY_TPB,
+        max_requests=None,
+        capacity_bytes=None,
+        root=root,
+        engine="auto",
+        progress=False,
+    )
+    base.update(kw)
+    return ReplayConfig(**base)
+
+
+def _reference_hits(requests, spb):
+    """Prefix hits per request of an unlimited tier (every missed block is stored)."""
+    present: set[tuple[int, int]] = set()
+    out = []
+    for r in requests:
+        keys = [(h, s) for h in r.hash_ids for s in range(spb)]
+        hits = 0
+        for k in keys:
+            if k not in present:
+                break
+            hits += 1
+        out.append(hits)
+        present.update(keys)
+    return out
+
+
+@pytest.mark.parametrize("engine", ["auto", "uring", "posix"])
+def test_handmade_trace_exact_counts(root, engine):
+    reqs = _requests(HANDMADE)
+    try:
+        s = run_replay(_config(root, engine=engine), reqs)
+    except ReplayConfigError as exc:
+        pytest.skip(f"engine {engine} unavailable here: {exc}")
+    if engine != "auto":
+        assert s.engine.startswith(engine)
+    assert s.ok, s.error_samples
+    assert s.requests == 6
+    assert s.block_size_bytes == TINY_BS == 32768
+    assert s.blocks_requested == SPB * sum(len(ids) for ids, _ in HANDMADE) == 64
+    expected_hits = sum(SPB * 0 + h for _, h in HANDMADE)
+    assert s.blocks_hit == expected_hits == 36
+    # every hit is looked up, plus the first miss of each request that has one
+    assert s.blocks_looked_up == 36 + 4 == 40
+    assert s.load_jobs == 4 and s.store_jobs == 4
+    assert s.blocks_loaded == 36
+    assert s.bytes_loaded == 36 * TINY_BS
+    assert s.bytes_stored == (12 + 4 + 4 + 4) * TINY_BS  # the 4 present blocks of request 3 are skipped
+    assert s.verification_failures == 0 and s.errors == 0
+    assert s.evictions == 0
+    assert s.block_hit_ratio == pytest.approx(36 / 64)
+    assert s.byte_hit_ratio == pytest.approx(36 * TINY_TPB / (512 * 16))
+    assert s.load_latency_ms_p50 is not None and s.load_latency_ms_p99 >= s.load_latency_ms_p50
+    assert s.root_removed is False and os.path.isdir(s.root)
+
+    # a second replay over the same root starts warm: every block is a hit, nothing is stored
+    s2 = run_replay(_config(root, engine=engine), reqs)
+    assert s2.ok, s2.error_samples
+    assert s2.blocks_hit == s2.blocks_requested == 64
+    assert s2.bytes_stored == 0 and s2.store_jobs == 0
+
+
+def test_bundled_slice_matches_reference():
+    tpb = TINY_TPB  # 32 KiB blocks, 4 per trace block
+    spb = 512 // tpb
+    reqs = load_trace(None, max_requests=20)
+    s = run_replay(_config(None, tokens_per_block=tpb), reqs)  # root: a temporary directory
+    assert s.ok, s.error_samples
+    ref = _reference_hits(reqs, spb)
+    n_blocks = spb * sum(len(r.hash_ids) for r in reqs)
+    assert s.blocks_requested == n_blocks
+    assert s.blocks_hit == sum(ref)
+    assert s.blocks_looked_up == sum(ref) + sum(1 for r, h in zip(reqs, ref) if h < spb * len(r.hash_ids))
+    assert s.blocks_loaded == sum(ref)
+    distinct = {(h, i) for r in reqs for h in r.hash_ids for i in range(spb)}
+    assert s.bytes_stored == len(distinct) * s.block_size_bytes
+    assert s.verification_failures == 0 and s.errors == 0
+    assert s.root_removed and not os.path.exists(s.root)
+
+
+def test_capacity_forces_eviction_and_stays_correct(root):
+    reqs = load_trace(None, max_requests=20)
+    # 1000 blocks: more than the largest request (684 blocks), far less than the 2,240 distinct ones
+    s = run_replay(_config(root, capacity_bytes=1000 * (TINY_BS + 4096)), reqs)
+    assert s.ok, s.error_samples
+    assert s.evictions > 0
+    assert s.verification_failures == 0 and s.errors == 0
+    # eviction can only lose hits relative to an unlimited tier
+    assert s.blocks_hit <= sum(_reference_hits(reqs, SPB))
+    assert s.blocks_requested == SPB * sum(len(r.hash_ids) for r in reqs)
+
+
+class _CorruptingTier:
+    """Wraps a DiskTier and flips one byte of every loaded block before the replay sees it."""
+
+    def __init__(self, inner, block_size):
+        self._inner = inner
+        self._bs = block_size
+        self._arena = None
+        self._loads = {}
+
+    def set_arena(self, buf):
+        self._arena = np.asarray(buf).view(np.uint8)
+        self._inner.set_arena(buf)
+
+    def submit_load(self, job):
+        self._loads[job.job_id] = list(job.slot_ids)
+        self._inner.submit_load(job)
+
+    def _corrupt(self, results):
+        for r in results:
+            for slot in self._loads.pop(r.job_id, []):
+                self._arena[slot * self._bs + 123] ^= 0xFF
+        return results
+
+    def get_finished_jobs(self):
+        return self._corrupt(self._inner.get_finished_jobs())
+
+    def wait(self, timeout_s=None):
+        return self._corrupt(self._inner.wait(timeout_s=timeout_s))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_verification_catches_wrong_bytes(root):
+    from pykvtier import DiskTier
+
+    def factory(root, bs, capacity, engine):
+        return _CorruptingTier(DiskTier(root, bs, capacity_bytes=capacity, engine=engine), bs)
+
+    s = run_replay(_config(root), _requests(HANDMADE), tier_factory=factory)
+    assert s.verification_failures == 36  # every loaded block
+    assert not s.ok
+
+
+def test_cli_json(tmp_path, root, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}) + "\n" for ids, _ in HANDMADE))
+    root = os.path.join(root, "cliroot")  # created by the tier
+    rc = cli.main(
+        ["replay", str(trace), "--model", "tiny", "--tokens-per-block", str(TINY_TPB),
+         "--capacity", "none", "--root", str(root), "--json", "--max-requests", "all"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    d = json.loads(out)  # exactly one JSON object
+    assert d["ok"] is True
+    assert d["blocks_hit"] == 36 and d["blocks_looked_up"] == 40 and d["requests"] == 6
+    assert d["verification_failures"] == 0 and d["errors"] == 0
+    assert d["root"] == root and os.path.isdir(root)
+    for key in ("load_gbps", "store_gbps", "load_latency_ms_p50", "load_latency_ms_p99", "cpu_s_per_gib",
+                "evictions", "wall_s", "block_size_bytes", "engine", "byte_hit_ratio", "bytes_loaded", "bytes_stored"):
+        assert key in d
+
+
+def test_cli_text_and_max_requests(capsys):
+    rc = cli.main(
+        ["replay", "--model", "tiny", "--tokens-per-block", "64", "--max-requests", "5",
+         "--capacity", "64MiB", "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "pykvtier replay: 5 requests" in out
+    assert "verification failures 0, errors 0" in out
+    assert out.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "gpt-5"], "known presets: llama-3-8b"),
+        (["--tokens-per-block", "48"], "must divide the trace block size"),
+        (["/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+    ],
+)
+def test_cli_bad_arguments(args, needle, capsys):
+    rc = cli.main(["replay", "--no-progress", *args])
+    assert rc == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cli_bad_capacity(capsys):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["replay", "--capacity", "8XB"])
+    assert ei.value.code == 2
+    assert "invalid size" in capsys.readouterr().err
+
+
+def test_keys_distinct_per_sub_block():
+    keys = {block_key(h, s, TINY_BS) for h in range(100) for s in range(SPB)}
+    assert len(keys) == 100 * SPB
+
+
+@pytest.mark.nvme
+def test_default_replay_on_nvme(root, capsys):
+    """`pykvtier replay` with its defaults (about a minute, ~27 GiB written, 8 GiB on disk at
+    most) on the storage under test: no verification failures, no errors, evictions."""
+    rc = cli.main(["replay", "--root", os.path.join(root, "replay"), "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0, d["error_samples"]
+    assert d["verification_failures"] == 0 and d["errors"] == 0
+    assert d["evictions"] > 0 and d["blocks_hit"] > 0
