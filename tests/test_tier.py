@@ -758,3 +758,50 @@ def test_bad_construction(root):
         DiskTier(root, BS, capacity_bytes=BS)
     with pytest.raises(ValueError, match="unknown engine 'gds'"):
         DiskTier(root, BS, engine="gds")
+
+
+@pytest.fixture
+def refuses_o_direct(monkeypatch):
+    """Makes the tier's O_DIRECT probe answer as a file system that refuses O_DIRECT would
+    (tmpfs before Linux 6.6, some FUSE and network file systems); the I/O itself is real."""
+    from pykvtier import tier as tier_mod
+
+    real = tier_mod._native.probe_direct
+
+    def probe(path):
+        got = dict(real(path))
+        got.update(direct=False, reason="open(O_DIRECT) failed: Invalid argument")
+        return got
+
+    monkeypatch.setattr(tier_mod._native, "probe_direct", probe)
+
+
+@pytest.mark.parametrize("engine", ["uring", "posix"])
+def test_buffered_fallback_where_o_direct_is_refused(root, refuses_o_direct, make_tier, arena,
+                                                     caplog, engine):
+    with caplog.at_level("WARNING", logger="pykvtier"):
+        tier = make_tier(root, engine=engine)
+    assert tier.direct is False
+    assert tier.stats()["direct_fallbacks"] == 1
+    assert any("O_DIRECT not used" in r.getMessage() and "Invalid argument" in r.getMessage()
+               for r in caplog.records)
+    src = fill(arena(4, BS), 7)
+    tier.set_arena(src)
+    keys = keys_of(4, b"fb")
+    ok(store(tier, 1, keys, range(4)), 4 * BS)
+    want = src.copy()
+    src[...] = 0
+    ok(load(tier, 2, keys[::-1], range(4)), 4 * BS)
+    assert np.array_equal(src, want[::-1])
+
+
+def test_unaligned_block_size_falls_back_to_buffered(root, make_tier, caplog):
+    with caplog.at_level("WARNING", logger="pykvtier"):
+        tier = make_tier(root, block_size_bytes=BS + 100)
+    assert tier.direct is False and tier.stats()["direct_fallbacks"] == 1
+    assert any("not a multiple of" in r.getMessage() for r in caplog.records)
+
+
+def test_direct_true_where_o_direct_is_refused_is_an_error(root, refuses_o_direct):
+    with pytest.raises(ValueError, match="refuses O_DIRECT"):
+        DiskTier(root, BS, direct=True)
