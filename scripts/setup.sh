@@ -30,4 +30,6 @@ if [ "${1:-}" = "--editable" ]; then
 else
   .venv/bin/python -m pip install -q '.[test]'
 fi
-.venv/bin/python -c "import pykvtier, pykvtier._native, pykvtier._uring; print('setup: pykvtier', pykvtier.__version__, 'ready in .venv')"
+# Check the installed package (from / so that the source tree does not shadow it).
+venv_python="$PWD/.venv/bin/python"
+(cd / && "$venv_python" -c "import pykvtier, pykvtier._native, pykvtier._uring; print('setup: pykvtier', pykvtier.__version__, 'ready in .venv')")
