@@ -506,8 +506,9 @@ sys.exit(1 if bad else 0)
 
 def test_run_from_short_lived_threads(root):
     # in a child process: the failure mode aborts the interpreter
+    # (cwd=root: the source tree must not shadow the installed package)
     proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, os.path.join(root, "t")],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
