@@ -70,6 +70,8 @@ class Promoter:
         if len(keys) != len(slot_ids):
             raise ValueError(f"{len(keys)} keys but {len(slot_ids)} slot_ids")
         where: dict[bytes, int] = {}
+        if not keys:
+            return where
         result = self._results.setdefault(request_id, PromotionResult(request_id))
         for key, slot in zip(keys, slot_ids):
             key = _as_key(key)

@@ -444,17 +444,19 @@ class DiskTier:
         the bytes in its slot)."""
         keys = self._check_job(job)
         seen_slots: set[int] = set()
-        for s in job.slot_ids:
-            if int(s) in seen_slots:
-                raise ValueError(f"job {job.job_id}: slot {int(s)} given twice; a load needs a "
-                                 "slot per key")
-            seen_slots.add(int(s))
+        for s in map(int, job.slot_ids):
+            if s in seen_slots:
+                raise ValueError(f"job {job.job_id}: slot {s} given twice; a load needs a slot per key")
+            seen_slots.add(s)
         pend = _Pending(job, True, [], [], {})
         entries = []
         for key, slot in zip(keys, job.slot_ids):
             digest = key_digest(key)
             e = self._index.get(digest)
-            if e is None or e.state is not _State.PRESENT or digest in self._failed:
+            if digest in self._failed:
+                pend.done[key] = "an earlier load of this block failed"
+                continue
+            if e is None or e.state is not _State.PRESENT:
                 pend.done[key] = "not in the tier" if e is None else f"block is {e.state.name.lower()}"
                 continue
             e.readers += 1
@@ -474,21 +476,16 @@ class DiskTier:
         keys = self._check_job(job)
         pend = _Pending(job, False, [], [], {})
         entries = []
-        seen: set[bytes] = set()
         for key, slot in zip(keys, job.slot_ids):
             digest = key_digest(key)
             e = self._index.get(digest)
-            if e is not None:
+            if e is not None:  # (also the second of a key given twice in this job)
                 if e.state is _State.REMOVING:
                     pend.done[key] = "block is being evicted"
                 else:
                     pend.done[key] = None
                     self._stats["stores_skipped_present"] += 1
                 continue
-            if digest in seen:
-                pend.done[key] = None  # the same key twice in one job
-                continue
-            seen.add(digest)
             if not self._reserve():
                 pend.done[key] = "no capacity: every block is in use"
                 self._stats["capacity_rejections"] += 1
