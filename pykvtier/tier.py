@@ -397,9 +397,10 @@ class DiskTier:
             self._probe.submit(batch)
             self._apply_probes()
 
-    def _apply_probes(self) -> None:
+    def _apply_probes(self, results: list | None = None) -> None:
+        """Applies finished existence probes (polled without waiting, unless given)."""
         now = time.monotonic()
-        for digest, size, _err in self._probe.poll():
+        for digest, size, _err in self._probe.poll() if results is None else results:
             self._probing.discard(digest)
             if digest in self._index:
                 continue
@@ -691,15 +692,7 @@ class DiskTier:
         :meth:`get_finished_jobs`) and in-flight probes were applied. Never aborts I/O."""
         self._engine.drain()
         if self._probe is not None and self._probing:
-            for digest, size, err in self._probe.wait():
-                self._probing.discard(digest)
-                if size == self.file_bytes and digest not in self._index and digest not in self._failed:
-                    self._index[digest] = _Entry(_State.PRESENT)
-                    self._lru[digest] = None
-                    self._used_bytes += self.file_bytes
-                    self._stats["probe_hits"] += 1
-                elif digest not in self._index:
-                    self._probe_misses[digest] = time.monotonic() + self.probe_ttl_s
+            self._apply_probes(self._probe.wait())
 
     def shutdown(self) -> None:
         """Finishes in-flight I/O, then releases the engine's threads, rings and descriptors and
