@@ -162,6 +162,9 @@ class DiskTier:
         engine: "uring" (io_uring), "posix" (preadv/pwritev thread pool), or "auto": io_uring
             where the kernel allows it, else posix, announced in the log.
         arena: optional host arena (see :meth:`set_arena`).
+        track_removals: remember the digests of blocks that stop being loadable (evicted, or
+            their load failed) for :meth:`take_removed`, e.g. to announce removals to an
+            engine's KV events. Off by default (the list would grow unread).
 
     Raises ValueError for a bad block size, an unusable root, or io_uring being unavailable.
     """
@@ -180,6 +183,7 @@ class DiskTier:
         fsync: bool = False,
         engine: str = "auto",
         arena: Any = None,
+        track_removals: bool = False,
     ) -> None:
         if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
             raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
@@ -234,6 +238,7 @@ class DiskTier:
         self._used_bytes = 0  # file bytes of PRESENT + WRITING + REMOVING blocks
         self._loading: dict[bytes, int] = {}  # digest -> loads in flight
         self._failed: set[bytes] = set()  # digests whose load failed: MISS until stored again
+        self._removed: list[bytes] | None = [] if track_removals else None
         self._probe_wanted: set[bytes] = set()
         self._probing: set[bytes] = set()
         self._probe_misses: dict[bytes, float] = {}  # digest -> time the MISS expires
@@ -549,6 +554,8 @@ class DiskTier:
         self._used_bytes -= freed
         self._unlink_async(victims)
         self._stats["evictions"] += len(victims)
+        if self._removed is not None:
+            self._removed.extend(victims)
 
     def _unlink_async(self, digests: list[bytes]) -> None:
         """Removes block files through the engine (a store-priority job)."""
@@ -641,6 +648,8 @@ class DiskTier:
 
     def _load_failed(self, digest: bytes, res: int) -> None:
         """A load failed: the key is a MISS from now on; a corrupt file is quarantined."""
+        if self._removed is not None and digest not in self._failed:
+            self._removed.append(digest)
         self._failed.add(digest)
         path = self.layout.block_path(digest)
         if res in _CORRUPT:
@@ -672,6 +681,16 @@ class DiskTier:
         del self._index[digest]
         self._lru.pop(digest, None)
         self._used_bytes -= self.file_bytes
+
+    def take_removed(self) -> list[bytes]:
+        """Digests (see :func:`~pykvtier.layout.key_digest`) of blocks that stopped being
+        loadable since the last call: evicted, or their load failed. Each removal is reported
+        once; a block stored again and removed again is reported again. Empty unless the tier
+        was made with ``track_removals=True``. Never blocks."""
+        if not self._removed:
+            return []
+        out, self._removed = self._removed, []
+        return out
 
     # ------------------------------------------------------------------ waiting, shutdown
 

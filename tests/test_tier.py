@@ -538,6 +538,33 @@ def test_eviction_order_after_the_first_evictions(root, make_tier, arena):
     assert [tier.lookup(x) for x in k] == [MISS, HIT, MISS, HIT]
 
 
+def test_take_removed_reports_evicted_and_failed_blocks_once(root, make_tier, arena):
+    """track_removals=True: every block that stops being loadable is reported once, by digest."""
+    tier = make_tier(root, capacity_bytes=2 * FB, track_removals=True)
+    a = fill(arena(4, BS), 14)
+    tier.set_arena(a)
+    k = keys_of(4)
+    ok(store(tier, 1, k[:2], [0, 1]), 2 * BS)
+    assert tier.take_removed() == []
+    ok(store(tier, 2, [k[2]], [2]), BS)  # evicts k0
+    assert tier.take_removed() == [key_digest(k[0])]
+    assert tier.take_removed() == []  # reported once
+    os.truncate(path_of(tier, k[1]), FB - 1)
+    res = load(tier, 3, [k[1]], [3])
+    assert res.success is False and tier.lookup(k[1]) is MISS
+    assert tier.take_removed() == [key_digest(k[1])]
+    res = load(tier, 4, [k[1]], [3])  # already a MISS: no second report
+    assert res.success is False and tier.take_removed() == []
+    ok(store(tier, 5, [k[0], k[3]], [0, 3]), 2 * BS)  # k0 stored again; room made by evicting k2
+    assert tier.take_removed() == [key_digest(k[2])]
+    assert [tier.lookup(x) for x in k] == [HIT, MISS, MISS, HIT]
+    untracked = make_tier(os.path.join(root, "untracked"), capacity_bytes=FB)
+    untracked.set_arena(a)
+    ok(store(untracked, 1, [k[0]], [0]), BS)
+    ok(store(untracked, 2, [k[1]], [1]), BS)  # evicts, but nothing is kept
+    assert untracked.stats()["evictions"] == 1 and untracked.take_removed() == []
+
+
 def test_one_job_larger_than_capacity(root, make_tier, arena):
     """Blocks being written cannot be evicted: what does not fit fails, per key."""
     tier = make_tier(root, capacity_bytes=4 * FB)
