@@ -8,7 +8,10 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "gds_build_info.hpp"
 #include "uring_engine.hpp"
+#include "uring_probe.hpp"
+#include "xxh3_lanes.hpp"
 
 namespace py = pybind11;
 using namespace pykvtier;
@@ -197,6 +200,59 @@ PYBIND11_MODULE(_native, m) {
       "Returns a dict: direct (bool), mem_align, offset_align (bytes; from statx STATX_DIOALIGN\n"
       "where the kernel reports it, else 4096), dioalign_from_statx, reason. Raises ValueError\n"
       "if no file can be created in dir.");
+
+  m.def(
+      "probe_uring",
+      [](const std::string& dir) {
+        UringProbe p;
+        {
+          py::gil_scoped_release nogil;
+          p = probe_uring(dir);
+        }
+        py::dict d;
+        d["available"] = p.available;
+        d["error"] = p.error;
+        py::dict flags, ops, checks;
+        for (auto& [k, v] : p.setup_flags) flags[py::str(k)] = v;
+        for (auto& [k, v] : p.ops) ops[py::str(k)] = v;
+        for (auto& c : p.checks) checks[py::str(c.name)] = py::make_tuple(c.ok, c.detail);
+        d["setup_flags"] = flags;
+        d["features"] = p.features;
+        d["ops"] = ops;
+        d["checks"] = checks;
+        return d;
+      },
+      py::arg("dir") = "",
+      "What io_uring can do here (for `pykvtier doctor`): dict with available, error, setup_flags\n"
+      "(name -> ring setup accepted), features (names), ops (opcode -> supported), checks (name ->\n"
+      "(ok, detail)) of operations really run: fixed-file table, registered buffers and, in dir\n"
+      "when given, openat_direct, fixed reads/writes, close_direct, statx, renameat, unlinkat.\n"
+      "Never raises.");
+
+  m.def(
+      "gds_build_info",
+      [] {
+        py::dict d;
+        d["built"] = bool(PYKVTIER_GDS_BUILT);
+        d["device_verify_built"] = bool(PYKVTIER_GDS_DEVICE_VERIFY_BUILT);
+        d["reason"] = std::string(PYKVTIER_GDS_REASON);
+        d["kvikio_version"] = std::string(PYKVTIER_GDS_KVIKIO_VERSION);
+        return d;
+      },
+      "How the gds engine (pykvtier._gds) was built: built (bool), device_verify_built, reason,\n"
+      "kvikio_version (at build time). See pykvtier.gpu.gds_status() for what works at run time.");
+
+  m.def(
+      "_xxh3_lanes",
+      [](py::buffer b) {
+        py::buffer_info info = b.request();
+        const size_t n = size_t(info.size) * size_t(info.itemsize);
+        if (n < xxh3::kMinLength) throw py::value_error("the lane formulation needs more than 240 bytes");
+        py::gil_scoped_release nogil;
+        return uint64_t(xxh3::hash_long_lanes(static_cast<const uint8_t*>(info.ptr), n));
+      },
+      py::arg("buffer"),
+      "XXH3-64 through the 8-lane formulation the GPU checksum kernel uses (host reference, for tests).");
 
   py::class_<Engine>(m, "Engine", R"doc(
 Batched block I/O over io_uring.
