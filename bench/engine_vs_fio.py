@@ -43,13 +43,11 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import mmap
 import os
 import platform
 import re
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,10 +59,31 @@ TARGET_BW_RATIO = 0.9    # pykvtier bandwidth >= 0.9 x fio
 TARGET_CPU_RATIO = 1.5   # pykvtier CPU s/GiB <= 1.5 x fio
 FILE_PREFIX = "blk."     # files are DIR/blk.0 .. DIR/blk.{N-1}; fio: filename_format=blk.$filenum
 MANIFEST = "manifest.json"
-MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 
 BASE_VARIANTS = ("fio", "fio+fixedbufs", "engine+fixed", "engine")
 HUGE_SUFFIX = "@huge"
+
+
+def _load_sysutil():
+    """pykvtier.bench.sysutil (the helpers shared with `pykvtier bench` and bench/compare_fio.py);
+    loaded from the source tree when pykvtier itself cannot be imported (no native build)."""
+    try:
+        from pykvtier.bench import sysutil as mod
+        return mod
+    except Exception:  # pykvtier not importable: load the module file directly (stdlib-only)
+        import importlib.util
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "pykvtier",
+                            "bench", "sysutil.py")
+        spec = importlib.util.spec_from_file_location("_pykvtier_bench_sysutil", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+_su = _load_sysutil()
+fmt_size, mount_of, read_first_line, meminfo = _su.fmt_size, _su.mount_of, _su.read_first_line, _su.meminfo
+rusage_cpu, median, alloc_host = _su.rusage_cpu, _su.median, _su.alloc_host
+ColdCache, HugePages, DevStat = _su.ColdCache, _su.HugePages, _su.DevStat
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -83,31 +102,6 @@ def parse_size(text: str) -> int:
     return n
 
 
-def fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= (1 << shift) and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
-
-
-def mount_of(path: str) -> tuple[str, str, str]:
-    """(mount point, fs type, source) of the mount holding path (longest prefix in /proc/mounts)."""
-    path = os.path.realpath(path)
-    best = ("/", "?", "?")
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                src, mnt, fstype = parts[0], parts[1].replace("\\040", " "), parts[2]
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-                    best = (mnt, fstype, src)
-    except OSError:
-        pass
-    return best
-
-
 def default_dir(blocks: int, block_size: int) -> str:
     """A directory under /var/tmp (disk-backed); /tmp only if /var/tmp is tmpfs and /tmp is not."""
     name = f"pykvtier-bench-{blocks}x{fmt_size(block_size)}"
@@ -115,151 +109,6 @@ def default_dir(blocks: int, block_size: int) -> str:
         if os.path.isdir(base) and mount_of(base)[1] not in ("tmpfs", "ramfs"):
             return os.path.join(base, name)
     raise SystemExit("both /var/tmp and /tmp are tmpfs/ramfs (no O_DIRECT, not cold): pass --dir on a disk")
-
-
-def read_first_line(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.readline().strip()
-    except OSError:
-        return None
-
-
-def meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def rusage_cpu(who: int) -> float:
-    ru = resource.getrusage(who)
-    return ru.ru_utime + ru.ru_stime
-
-
-def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-class ColdCache:
-    """Drop the page cache before each run if /proc/sys/vm/drop_caches is writable."""
-
-    PATH = "/proc/sys/vm/drop_caches"
-
-    def __init__(self, enabled: bool = True, warm_paths: list[str] | None = None,
-                 warm_cmds: list[list[str]] | None = None):
-        self.enabled = enabled
-        self.warm_paths = warm_paths  # stat these after each drop: metadata warm, data cold
-        # run these after each drop (e.g. `fio --version`: reloads fio's binary and libraries,
-        # ~60 MiB on Debian, so the device counters around fio count only its data reads)
-        self.warm_cmds = warm_cmds or []
-        self.works = False
-        self.reason = "disabled (--no-drop-caches)"
-        if enabled:
-            self.works, self.reason = self._drop()
-
-    def _drop(self) -> tuple[bool, str]:
-        try:
-            os.sync()
-            with open(self.PATH, "w") as f:
-                f.write("3\n")
-            return True, "ok"
-        except OSError as e:
-            return False, f"{self.PATH} not writable: {e.strerror or e}"
-
-    def drop(self) -> None:
-        if self.works:
-            ok, reason = self._drop()
-            if not ok:  # should not flip mid-run; record it if it does
-                self.works, self.reason = False, reason
-        for p in self.warm_paths or ():
-            os.stat(p)
-        if self.works:
-            for cmd in self.warm_cmds:
-                subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def describe(self) -> str:
-        if self.works:
-            s = ("O_DIRECT for every run (fio direct=1, engine direct=True) + page cache dropped "
-                 "(sync; echo 3 > /proc/sys/vm/drop_caches) before every run")
-        else:
-            s = f"O_DIRECT for every run (fio direct=1, engine direct=True) only; page cache NOT dropped: {self.reason}"
-        if self.warm_paths:
-            s += "; then every file stat()ed (metadata warm, as after a phase-1 lookup; data cold)"
-        elif self.works:
-            s += "; metadata cold too (both tools' opens, inside their timed phase, read inodes from disk)"
-        return s
-
-
-class HugePages:
-    """Makes sure enough 2 MiB hugetlb pages are free for the @huge variants; if not, and
-    vm.nr_hugepages is writable, raises it for the run and restores it at the end."""
-
-    PATH = "/proc/sys/vm/nr_hugepages"
-
-    def __init__(self):
-        self.orig = None
-        self.size = (meminfo("Hugepagesize") or 2048) * 1024
-
-    def ensure(self, pages: int) -> str:
-        free = meminfo("HugePages_Free") or 0
-        if free >= pages:
-            return f"{free} hugetlb pages free, {pages} needed"
-        try:
-            cur = int(read_first_line(self.PATH) or 0)
-            new = cur + pages - free
-            with open(self.PATH, "w") as f:
-                f.write(str(new))
-            self.orig = cur
-        except OSError as e:
-            raise RuntimeError(f"need {pages} free hugetlb pages, have {free}, and cannot raise "
-                               f"{self.PATH}: {e}; use --mem 4k") from e
-        got = meminfo("HugePages_Free") or 0
-        if got < pages:
-            self.restore()
-            raise RuntimeError(f"asked the kernel for {pages} free hugetlb pages, got {got}; use --mem 4k")
-        return f"raised vm.nr_hugepages {cur} -> {new} for this run (restored at exit)"
-
-    def restore(self):
-        if self.orig is not None:
-            try:
-                with open(self.PATH, "w") as f:
-                    f.write(str(self.orig))
-            except OSError:
-                pass
-            self.orig = None
-
-
-class DevStat:
-    """Read requests / merges / sectors of the block device under a directory, from
-    /sys/dev/block/MAJ:MIN/stat (the same counters fio's disk_util reports)."""
-
-    def __init__(self, path: str):
-        st = os.stat(path)
-        sysdir = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-        self.path = sysdir + "/stat"
-        self.name = os.path.basename(os.path.realpath(sysdir))
-        self.ok = self.snap() is not None
-
-    def snap(self):
-        try:
-            with open(self.path) as f:
-                v = [int(x) for x in f.read().split()]
-            return v[0], v[1], v[2]  # read ios, read merges, read sectors
-        except (OSError, ValueError, IndexError):
-            return None
-
-    @staticmethod
-    def delta(a, b) -> dict:
-        if a is None or b is None:
-            return {}
-        return {"dev_read_reqs": b[0] - a[0], "dev_read_merges": b[1] - a[1],
-                "dev_read_bytes": (b[2] - a[2]) * 512}
 
 
 def variant_parts(v: str) -> tuple[str, bool, str]:
@@ -426,24 +275,6 @@ def import_native():
         return _native, None
     except Exception as e:  # ImportError, or a broken build
         return None, f"{type(e).__name__}: {e}"
-
-
-def alloc_host(nbytes: int, mem: str, hugepage: int):
-    """Page-aligned, faulted-in destination: 4 KiB pages (MADV_NOHUGEPAGE, like fio's malloc
-    buffers) or hugetlb pages (MAP_HUGETLB, like fio mem=mmaphuge). Returns (mmap, ndarray)."""
-    import numpy as np
-
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if mem == "huge":
-        nbytes = -(-nbytes // hugepage) * hugepage
-        m = mmap.mmap(-1, nbytes, flags=flags | MAP_HUGETLB)
-    else:
-        m = mmap.mmap(-1, nbytes, flags=flags)
-        if hasattr(m, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
-            m.madvise(mmap.MADV_NOHUGEPAGE)
-    arr = np.frombuffer(m, dtype=np.uint8)
-    arr[:] = 0  # fault every page in now, outside any timed region
-    return m, arr
 
 
 class EngineBench:
