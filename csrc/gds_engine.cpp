@@ -451,7 +451,14 @@ int64_t Engine::read_raw(ThreadCtx&, Job&, Request& r) {
   return int64_t(r.length);
 }
 
+static int sync_producer(uint64_t addr);
+
 int64_t Engine::write_raw(ThreadCtx&, Job& job, Request& r) {
+  if (int err = sync_producer(r.addr)) {
+    stats_.cuda_errors++;
+    note_error(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(cudaError_t(err)));
+    return -EIO;
+  }
   int64_t res;
   {
     // In place (no target): the file is updated, not truncated; with a target: a new temporary.
@@ -474,7 +481,23 @@ int64_t Engine::write_raw(ThreadCtx&, Job& job, Request& r) {
   return res;
 }
 
+// Work queued on the legacy default stream (torch's default) before the store was submitted has
+// produced the payload: wait for it (a non-blocking stream would not). Producers on other streams
+// must synchronize before submitting stores.
+static int sync_producer(uint64_t addr) {
+  cudaPointerAttributes attr{};
+  cudaError_t e = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(addr));
+  if (e == cudaSuccess) e = cudaSetDevice(attr.device);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(nullptr);
+  return int(e);
+}
+
 int64_t Engine::write_block(ThreadCtx& t, Job& job, Request& r) {
+  if (int err = sync_producer(r.addr)) {
+    stats_.cuda_errors++;
+    note_error(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(cudaError_t(err)));
+    return -EIO;
+  }
   std::vector<uint64_t> sum;
   if (!payload_hashes(t, {&r}, sum)) return -EIO;
   int64_t res;
@@ -538,7 +561,7 @@ bool Engine::payload_hashes(ThreadCtx& t, const std::vector<const Request*>& req
   std::vector<size_t> on_host;  // indexes hashed on the host
 #if PYKVTIER_DEVICE_VERIFY
   std::vector<size_t> on_device;
-  if (cfg_.verify == Verify::Device) {
+  if (cfg_.verify != Verify::Host) {  // (stores under "header" still need the checksum)
     for (size_t i = 0; i < reqs.size(); ++i) {
       const Request& r = *reqs[i];
       if (r.length >= xxh3::kMinLength && r.addr % 16 == 0)

@@ -1,8 +1,9 @@
-"""Host arenas: the memory blocks are loaded into and stored from.
+"""Arenas: the memory blocks are loaded into and stored from (host memory, or a CUDA tensor).
 
 An arena is one contiguous, writable region split into equal slots: slot ``c`` is bytes
 ``[c * slot_bytes, (c + 1) * slot_bytes)``. Accepted objects: numpy arrays, anything with the
-buffer protocol (memoryview, bytearray, mmap), and CPU torch tensors (pinned or not). The C++
+buffer protocol (memoryview, bytearray, mmap), CPU torch tensors (pinned or not), and CUDA torch
+tensors (a device arena: see :mod:`pykvtier.gpu`). The C++
 engine reads and writes the memory directly by address; no Python copy is made. The object is
 kept alive by the :class:`Arena` for as long as the tier uses it.
 """
@@ -17,13 +18,15 @@ __all__ = ["Arena", "as_arena"]
 
 @dataclass(frozen=True)
 class Arena:
-    """A host memory region: ``addr`` (int), ``nbytes``, ``slot_bytes`` (stride between slots)."""
+    """A memory region: ``addr`` (int), ``nbytes``, ``slot_bytes`` (stride between slots),
+    ``device`` ("cpu", or the CUDA device of a device arena, e.g. "cuda:0")."""
 
     addr: int
     nbytes: int
     slot_bytes: int
     readonly: bool
     owner: Any  # keeps the memory alive
+    device: str = "cpu"
 
     @property
     def num_slots(self) -> int:
@@ -37,11 +40,8 @@ def _torch_region(obj: Any) -> tuple[int, int, bool] | None:
     mod = type(obj).__module__
     if not mod.startswith("torch"):
         return None
-    if obj.device.type != "cpu":
-        raise ValueError(
-            f"arena is a {obj.device.type} tensor; the host path needs CPU memory "
-            "(GPU destinations need the gds engine)"
-        )
+    if obj.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"arena is a {obj.device.type} tensor; pykvtier takes CPU or CUDA memory")
     if not obj.is_contiguous():
         raise ValueError("arena tensor is not contiguous")
     return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), False
@@ -67,12 +67,15 @@ def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
     """Wraps ``obj`` as an :class:`Arena`.
 
     ``slot_bytes`` defaults to ``strides[0]`` of a multi-dimensional array/memoryview (vLLM's
-    primary KV view is ``(num_chunks, stride)``), else must be given. Raises TypeError for an
-    unsupported object, ValueError for non-contiguous or device memory or a size that is not a
-    whole number of slots.
+    primary KV view is ``(num_chunks, stride)``), else must be given. An :class:`Arena` is taken
+    as it is. Raises TypeError for an unsupported object, ValueError for non-contiguous memory,
+    a device other than CPU/CUDA, or a size smaller than one slot.
     """
+    if isinstance(obj, Arena):
+        return obj
     region = _torch_region(obj)
     addr, nbytes, readonly = region if region is not None else _buffer_region(obj)
+    device = str(obj.device) if region is not None else "cpu"
     if slot_bytes is None:
         if region is not None and hasattr(obj, "stride") and callable(obj.stride) and obj.dim() >= 2:
             slot_bytes = int(obj.stride(0)) * int(obj.element_size())
@@ -85,4 +88,5 @@ def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
     if nbytes < slot_bytes:
         raise ValueError(f"arena of {nbytes} bytes is smaller than one slot of {slot_bytes} bytes")
-    return Arena(addr=addr, nbytes=nbytes, slot_bytes=int(slot_bytes), readonly=readonly, owner=obj)
+    return Arena(addr=addr, nbytes=nbytes, slot_bytes=int(slot_bytes), readonly=readonly, owner=obj,
+                 device=device)

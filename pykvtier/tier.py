@@ -161,7 +161,9 @@ class DiskTier:
         fsync: fdatasync each block before it is renamed into place.
         engine: "uring" (io_uring), "posix" (preadv/pwritev thread pool), or "auto": io_uring
             where the kernel allows it, else posix, announced in the log.
-        arena: optional host arena (see :meth:`set_arena`).
+        arena: optional arena (see :meth:`set_arena`).
+        device_path: for a CUDA arena, how blocks reach it: "auto", "gds", "kvikio-compat",
+            "bounce", or a :class:`pykvtier.gpu.DeviceOptions` (see :mod:`pykvtier.gpu`).
         track_removals: remember the digests of blocks that stop being loadable (evicted, or
             their load failed) for :meth:`take_removed`, e.g. to announce removals to an
             engine's KV events. Off by default (the list would grow unread).
@@ -184,6 +186,7 @@ class DiskTier:
         engine: str = "auto",
         arena: Any = None,
         track_removals: bool = False,
+        device_path: Any = "auto",
     ) -> None:
         if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
             raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
@@ -194,6 +197,10 @@ class DiskTier:
             )
         if engine not in ("auto", "uring", "posix"):
             raise ValueError(f"unknown engine {engine!r}: expected 'auto', 'uring' or 'posix'")
+        from .gpu import DeviceOptions
+
+        self._device_options = DeviceOptions.of(device_path)
+        self.device_path = None  # the pykvtier.gpu.PathChoice of a device arena
         self.block_size_bytes = block_size_bytes
         self.file_bytes = block_size_bytes + HEADER_BYTES
         self.capacity_bytes = capacity_bytes
@@ -317,6 +324,8 @@ class DiskTier:
         """Sets the host arena that jobs' ``slot_ids`` index, and registers it as io_uring fixed
         buffers. ``buffer``: numpy array, buffer-protocol object or CPU torch tensor, writable,
         page-aligned; ``slot_bytes`` (default ``block_size_bytes``) >= block_size_bytes.
+        A CUDA tensor makes a device arena: blocks move by the path of ``device_path``
+        (:func:`pykvtier.gpu.attach_device_arena`; ``self.device_path`` says which and why).
         Raises ValueError (naming address and alignment) for misaligned or read-only memory.
         Blocks until the engine has registered (pinned) the memory: a one-time cost.
         Call only while no job is in flight."""
@@ -328,6 +337,14 @@ class DiskTier:
         if arena.slot_bytes < self.block_size_bytes:
             raise ValueError(f"arena slots of {arena.slot_bytes} bytes are smaller than a block "
                              f"({self.block_size_bytes} bytes)")
+        if arena.device != "cpu":
+            from .gpu import attach_device_arena
+
+            attach_device_arena(self, arena)
+            self._arena = arena
+            return arena
+        if self.device_path is not None:
+            raise ValueError("this tier moves blocks to a device arena; use another DiskTier for a host arena")
         if self.direct:
             for what, v in (("address", arena.addr), ("slot stride", arena.slot_bytes)):
                 if v % self.mem_align:

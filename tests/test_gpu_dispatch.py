@@ -1,0 +1,409 @@
+"""GPU destinations without a GPU: path selection, status, the bounce engine and device-arena
+dispatch through DiskTier / Promoter, with the GPU parts replaced by fakes (a "device" arena in
+host memory, HostCopier for the copies, the posix engine standing in for the gds engine)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from pykvtier import DiskTier, LookupResult, Promoter, TransferJob, _native, gpu
+from pykvtier.bounce import BounceEngine, HostCopier
+from pykvtier.buffers import Arena, as_arena
+from pykvtier.layout import key_digest
+from pykvtier.posix_engine import PosixEngine
+
+BS = 64 << 10
+
+
+def status(**kw):
+    st = {
+        "built": True, "build_reason": "built against kvikio 26.10.0", "build_kvikio_version": "26.10.0",
+        "importable": True, "import_reason": "loaded", "kvikio_version": "26.10.0",
+        "cufile_library": True, "cufile_available": True, "cufile_version": 1190,
+        "gds_available": True, "nvfs_version": "2.26", "compat_mode_default": "AUTO",
+        "compat_mode_preferred": False, "cuda_devices": 1, "cuda_error": None,
+        "device_verify_built": True, "notes": [], "root_probe": None,
+    }
+    st.update(kw)
+    st["usable"], st["reason"] = gpu._gds_verdict(st, "/root/of/tier")
+    return st
+
+
+# ------------------------------------------------------------------ selection
+
+
+def test_gds_when_usable():
+    st = status()
+    assert st["usable"] and "GPUDirect Storage usable" in st["reason"]
+    c = gpu.choose_path(st)
+    assert c.path == "gds" and not c.fallback
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(built=False, build_reason="not built: kvikio not found at build time"), "kvikio not found"),
+    (dict(importable=False, import_reason="built, but cannot be loaded: libkvikio.so"), "cannot be loaded"),
+    (dict(cuda_devices=0, cuda_error="no CUDA-capable device is detected"), "no CUDA device"),
+    (dict(cufile_library=False), "libcufile"),
+    (dict(cufile_available=False), "/run/udev"),
+    (dict(gds_available=False), "nvidia-fs"),
+    (dict(root_probe={"opened": True, "compat": True, "reason": "kvikio chose its compatibility mode"}),
+     "refused for files at"),
+])
+def test_fallback_to_bounce_over_uring_with_the_reason(kw, why):
+    st = status(**kw)
+    assert not st["usable"] and why in st["reason"]
+    c = gpu.choose_path(st, "auto", "uring")
+    assert c.path == "bounce" and c.fallback
+    assert why in c.reason and "io_uring" in c.reason
+
+
+def test_without_io_uring_kvikio_compat_beats_the_posix_bounce():
+    c = gpu.choose_path(status(gds_available=False), "auto", "posix")
+    assert c.path == "kvikio-compat" and c.fallback and "io_uring is unavailable" in c.reason
+    c = gpu.choose_path(status(built=False, importable=False, build_reason="not built"), "auto", "posix")
+    assert c.path == "bounce" and "posix engine" in c.reason
+
+
+def test_forced_paths():
+    assert gpu.choose_path(status(gds_available=False), "gds").path == "gds"
+    assert "requested, though" in gpu.choose_path(status(gds_available=False), "gds").reason
+    assert gpu.choose_path(status(), "kvikio-compat").path == "kvikio-compat"
+    assert gpu.choose_path(status(built=False), "bounce").path == "bounce"
+    for p in ("gds", "kvikio-compat"):
+        with pytest.raises(ValueError, match="gds engine is unavailable"):
+            gpu.choose_path(status(importable=False, import_reason="no libkvikio"), p)
+    with pytest.raises(ValueError, match="unknown device_path"):
+        gpu.choose_path(status(), "nvme")
+
+
+def test_device_options():
+    assert gpu.DeviceOptions.of("bounce").path == "bounce"
+    o = gpu.DeviceOptions(path="gds", io_threads=4)
+    assert gpu.DeviceOptions.of(o) is o
+    with pytest.raises(ValueError, match="unknown device_path"):
+        gpu.DeviceOptions.of("fast")
+    with pytest.raises(TypeError):
+        gpu.DeviceOptions.of(3)
+    with pytest.raises(ValueError, match="unknown device_path"):
+        DiskTier("/nonexistent-never-created", BS, device_path="fast")
+
+
+# ------------------------------------------------------------------ status
+
+
+def test_status_here_explains_itself(tmp_path):
+    info = _native.gds_build_info()
+    assert set(info) == {"built", "device_verify_built", "reason", "kvikio_version"}
+    st = gpu.gds_status(tmp_path)
+    for k in ("built", "build_reason", "importable", "import_reason", "cuda_devices", "cufile_available",
+              "gds_available", "usable", "reason", "root_probe", "notes"):
+        assert k in st
+    if not info["built"]:
+        assert not st["importable"] and not st["usable"]
+        assert st["reason"].startswith("gds engine not built")
+
+
+class FakeGdsModule:
+    """Stands in for pykvtier._gds: status() and probe_file() as the real module returns them."""
+
+    def __init__(self, gds=True, compat_at_root=False):
+        self.gds, self.compat, self.probed = gds, compat_at_root, []
+
+    def status(self):
+        return {"kvikio_version": "26.10.0", "device_verify_built": True, "cufile_library": True,
+                "cufile_available": True, "cufile_version": 1190, "compat_mode_default": "AUTO",
+                "compat_mode_preferred": not self.gds, "gds_available": self.gds,
+                "nvfs_version": "2.26" if self.gds else None, "nvfs_allow_compat_mode": True,
+                "cuda_devices": 1, "cuda_error": "", "cuda_runtime_version": 13000,
+                "cuda_driver_version": 13000, "kvikio_threads": 1, "kvikio_task_size": 4 << 20, "notes": []}
+
+    def probe_file(self, d):
+        self.probed.append(d)
+        return {"opened": True, "compat": self.compat, "direct_fd": True, "reason": "fake"}
+
+
+def test_status_maps_the_engine_report(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu._native, "gds_build_info", lambda: {
+        "built": True, "device_verify_built": True, "reason": "built against kvikio 26.10.0",
+        "kvikio_version": "26.10.0"})
+    fake = FakeGdsModule()
+    st = gpu.gds_status(tmp_path / "a", refresh=True, loader=lambda refresh: (fake, "loaded"))
+    assert st["usable"] and st["root_probe"]["compat"] is False and st["nvfs_version"] == "2.26"
+    assert fake.probed == [str(tmp_path / "a")]
+    gpu.gds_status(tmp_path / "a", loader=lambda refresh: (fake, "loaded"))
+    assert len(fake.probed) == 1  # one probe per root
+    fake2 = FakeGdsModule(compat_at_root=True)
+    st = gpu.gds_status(tmp_path / "b", loader=lambda refresh: (fake2, "loaded"))
+    assert not st["usable"] and "refused for files at" in st["reason"]
+    st = gpu.gds_status(None, loader=lambda refresh: (FakeGdsModule(gds=False), "loaded"))
+    assert not st["usable"] and "nvidia-fs" in st["reason"] and st["root_probe"] is None
+
+
+# ------------------------------------------------------------------ the bounce engine
+
+
+def write_blocks(root, n, bs=BS, seed=1):
+    """Stores n random blocks through the uring engine; returns (paths, digests, payloads)."""
+    eng = _native.Engine(queue_depth=8)
+    data = np.random.default_rng(seed).integers(0, 256, (n, bs), dtype=np.uint8)
+    paths, digests = [], []
+    entries = []
+    for i in range(n):
+        d = key_digest(f"key-{seed}-{i}".encode())
+        p = os.path.join(root, f"b{i}")
+        paths.append(p)
+        digests.append(d)
+        entries.append((p + ".tmp", p, bs, int(data[i].ctypes.data), d))
+    assert eng.run("write_block", entries, direct=False) == [bs] * n
+    eng.shutdown()
+    return paths, digests, data
+
+
+@pytest.mark.parametrize("host", ["uring", "posix"])
+def test_bounce_engine_round_trip_more_blocks_than_slots(root, host, aligned):
+    n = 11
+    paths, digests, data = write_blocks(root, n)
+    h = _native.Engine(queue_depth=8) if host == "uring" else PosixEngine(queue_depth=8)
+    copier = HostCopier()
+    eng = BounceEngine(h, copier, BS, bounce_slots=3, chunk_blocks=2)
+    dev = aligned(n * BS).reshape(n, BS)  # the "device" arena
+    entries = [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)]
+    eng.submit(7, "read_block", entries, direct=False)
+    eng.drain()
+    (jid, op, results, _submits, _queued, _xfer), = eng.poll()
+    assert (jid, op, results) == (7, "read_block", [BS] * n)
+    assert np.array_equal(dev, data)
+    st = eng.stats()
+    assert st["bounce_chunks"] == 6 and st["bounce_h2d_copies"] == n and st["bounce_slots_free"] == 3
+    assert copier.copies == n
+
+    # store from the device arena, read back through the host engine alone
+    dev2 = aligned(2 * BS, fill=9).reshape(2, BS)
+    out = [os.path.join(root, f"s{i}") for i in range(2)]
+    dg = [key_digest(b"s0"), key_digest(b"s1")]
+    res = eng.run("write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
+                                  for i in range(2)], direct=False)
+    assert res == [BS, BS] and eng.stats()["bounce_d2h_copies"] == 2
+    back = aligned(BS)
+    assert eng.run("read_block", [(out[1], BS, int(back.ctypes.data), dg[1])], direct=False) == [BS]
+    assert np.array_equal(back, dev2[1])
+    # unlink passes through to the host engine
+    assert eng.run("unlink", [out[0], out[0] + ".missing"]) == [0, -errno.ENOENT]
+    eng.shutdown()
+
+
+def test_bounce_engine_partial_failure_and_copy_failure(root, aligned):
+    paths, digests, data = write_blocks(root, 4, seed=3)
+    with open(paths[2], "r+b") as f:  # corrupt one payload byte
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.unlink(paths[3])
+    copier = HostCopier()
+    eng = BounceEngine(_native.Engine(queue_depth=8), copier, BS, bounce_slots=4, chunk_blocks=4)
+    dev = aligned(4 * BS).reshape(4, BS)
+    entries = [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)]
+    res = eng.run("read_block", entries, direct=False)
+    assert res[:2] == [BS, BS] and res[2] == _native.ERR_CHECKSUM and res[3] == -errno.ENOENT
+    assert np.array_equal(dev[:2], data[:2])
+    assert copier.copies == 2  # failed blocks are not copied to the device
+
+    copier.fail_next = 1
+    dev[:] = 0
+    res = eng.run("read_block", entries[:2], direct=False)
+    assert res == [-errno.EIO, -errno.EIO] and eng.stats()["bounce_copy_failures"] == 1
+    assert eng.stats()["bounce_slots_free"] == 4  # slots came back
+    assert eng.run("read_block", entries[:1], direct=False) == [BS]
+    with pytest.raises(ValueError, match="does not fit a bounce slot"):
+        eng.submit(1, "read_block", [(paths[0], 2 * BS, int(dev[0].ctypes.data), digests[0])])
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit(2, "read_block", entries[:1])
+
+
+# ------------------------------------------------------------------ DiskTier with a device arena
+
+
+class FakeTensor:
+    """Looks like a CUDA torch tensor to as_arena (device, contiguity, data_ptr, sizes)."""
+
+    __module__ = "torch.fake"
+
+    class _Dev:
+        type = "cuda"
+
+        def __str__(self):
+            return "cuda:0"
+
+    def __init__(self, arr):
+        self.arr, self.device = arr, self._Dev()
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return int(self.arr.ctypes.data)
+
+    def numel(self):
+        return self.arr.size
+
+    def element_size(self):
+        return 1
+
+    def dim(self):
+        return self.arr.ndim
+
+    def stride(self, i=None):
+        return self.arr.strides[i] if i is not None else self.arr.strides
+
+
+def test_as_arena_takes_cuda_tensors_and_arenas(aligned):
+    t = FakeTensor(aligned(4 * BS).reshape(4, BS))
+    a = as_arena(t)
+    assert a.device == "cuda:0" and a.slot_bytes == BS and a.num_slots == 4 and a.addr == t.data_ptr()
+    assert as_arena(a) is a
+    t.device.type = "mps"
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        as_arena(t)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Replaces the GPU parts of pykvtier.gpu: returns a setter for the status; copies are memmoves,
+    the "gds engine" is the posix engine working on host memory."""
+    state = {"status": status(gds_available=False), "made_gds": []}
+
+    def make_gds(io_threads, compat, verify):
+        state["made_gds"].append((io_threads, compat, verify))
+        return PosixEngine(queue_depth=8)
+
+    monkeypatch.setattr(gpu, "hooks", gpu._Hooks(status=lambda root: state["status"], make_gds=make_gds,
+                                                   make_copier=lambda arena: HostCopier()))
+    return state
+
+
+def device_arena(aligned, n):
+    arr = aligned(n * BS).reshape(n, BS)
+    return Arena(int(arr.ctypes.data), arr.nbytes, BS, False, arr, device="cuda:0"), arr
+
+
+def round_trip(tier, aligned, n=6, seed=5):
+    src_arena, src = device_arena(aligned, n)
+    src[:] = np.random.default_rng(seed).integers(0, 256, src.shape, dtype=np.uint8)
+    tier.set_arena(src_arena)
+    keys = [f"k{seed}-{i}".encode() for i in range(n)]
+    tier.submit_store(TransferJob(1, keys, list(range(n))))
+    tier.drain()
+    (r,) = tier.get_finished_jobs()
+    assert r.success and not r.is_load
+    dst_arena, dst = device_arena(aligned, n)
+    tier.set_arena(dst_arena)
+    assert all(tier.lookup(k) is LookupResult.HIT for k in keys)
+    tier.submit_load(TransferJob(2, keys[::-1], list(range(n))))
+    tier.drain()
+    (r,) = tier.get_finished_jobs()
+    assert r.success and r.transfer_bytes == n * BS
+    assert np.array_equal(dst[::-1], src)
+    return keys, dst
+
+
+def test_tier_device_arena_takes_the_bounce_fallback_and_says_so(root, aligned, fake_gpu, caplog):
+    with caplog.at_level(logging.INFO, logger="pykvtier"), DiskTier(root, BS, direct=False) as tier:
+        keys, dst = round_trip(tier, aligned)
+        assert tier.device_path.path == "bounce" and tier.device_path.fallback
+        assert tier.engine_name == "bounce+uring" and isinstance(tier._engine, BounceEngine)
+        msgs = [r for r in caplog.records if "take the bounce path" in r.getMessage()]
+        assert len(msgs) == 1 and msgs[0].levelno == logging.WARNING  # once, for two arenas
+        assert "nvidia-fs" in msgs[0].getMessage()
+        assert not fake_gpu["made_gds"]
+        assert tier.stats()["blocks_loaded"] == 6 and tier._engine.stats()["bounce_h2d_copies"] == 6
+        # partial failure: a missing file is a per-key failure and then a MISS
+        os.unlink(tier.layout.block_path(key_digest(keys[0])))
+        tier.submit_load(TransferJob(3, keys[:2], [0, 1]))
+        tier.drain()
+        (r,) = tier.get_finished_jobs()
+        assert not r.success and r.successful_keys == [keys[1]] and keys[0] in r.failed_keys
+        assert tier.lookup(keys[0]) is LookupResult.MISS
+        with pytest.raises(ValueError, match="device arena"):
+            tier.set_arena(aligned(4 * BS).reshape(4, BS))
+
+
+def test_tier_device_arena_takes_gds_where_usable(root, aligned, fake_gpu, caplog):
+    fake_gpu["status"] = status()
+    with caplog.at_level(logging.INFO, logger="pykvtier"), \
+            DiskTier(root, BS, direct=False, device_path=gpu.DeviceOptions(io_threads=3, verify="host")) as tier:
+        round_trip(tier, aligned)
+        assert tier.device_path.path == "gds" and not tier.device_path.fallback
+        assert tier.engine_name == "gds" and isinstance(tier._engine, gpu.GdsPathEngine)
+        assert fake_gpu["made_gds"] == [(3, "auto", "host")] * 2  # one engine per arena
+        assert any("take the gds path" in r.getMessage() and r.levelno == logging.INFO
+                   for r in caplog.records)
+
+
+def test_tier_forced_paths(root, aligned, fake_gpu):
+    with DiskTier(root, BS, direct=False, device_path="kvikio-compat") as tier:
+        round_trip(tier, aligned)
+        assert tier.device_path.path == "kvikio-compat" and fake_gpu["made_gds"][0][1] == "on"
+    fake_gpu["made_gds"].clear()
+    fake_gpu["status"] = status()
+    with DiskTier(root, BS, direct=False, device_path="bounce") as tier:
+        round_trip(tier, aligned, seed=6)
+        assert tier.device_path.path == "bounce" and not fake_gpu["made_gds"]
+    fake_gpu["status"] = status(importable=False, import_reason="no libkvikio")
+    with DiskTier(root, BS, direct=False, device_path="gds") as tier:
+        arena, _ = device_arena(aligned, 2)
+        with pytest.raises(ValueError, match="gds engine is unavailable"):
+            tier.set_arena(arena)
+
+
+def test_eviction_in_flight_survives_the_switch_to_a_device_arena(root, aligned, fake_gpu):
+    with DiskTier(root, BS, direct=False) as tier:
+        host = aligned(3 * BS).reshape(3, BS)
+        tier.set_arena(host)
+        tier.submit_store(TransferJob(1, [b"a", b"b", b"c"], [0, 1, 2]))
+        tier.drain()
+        tier.get_finished_jobs()
+        tier._evict(tier.file_bytes)  # an unlink job in flight in the host engine
+        assert tier.has_pending_work()
+        arena, _ = device_arena(aligned, 2)
+        tier.set_arena(arena)  # drains it and applies its result before swapping engines
+        assert tier.num_blocks == 2 and tier.stats()["evictions"] == 1
+        assert not tier.has_pending_work() and tier.lookup(b"a") is LookupResult.MISS
+        assert not os.path.exists(tier.layout.block_path(key_digest(b"a")))
+
+
+def test_promoter_targets_device_slots(root, aligned, fake_gpu):
+    with DiskTier(root, BS, direct=False) as tier:
+        keys, src = round_trip(tier, aligned, n=4, seed=8)
+        src = src[::-1]  # round_trip loaded the keys in reverse order
+        arena, dev = device_arena(aligned, 5)
+        tier.set_arena(arena)
+        pr = Promoter(tier)
+        pr.promote("r1", keys[:2], [0, 1])
+        pr.promote("r2", keys[1:], [2, 3, 4])  # keys[1] shared: read once, into r1's slot
+        pr.on_step_end()
+        assert pr.jobs_submitted == 2
+        done = {}
+        while len(done) < 2:
+            for r in pr.wait(5.0):
+                done[r.request_id] = r
+        assert done["r1"].loaded == {keys[0]: 0, keys[1]: 1}
+        assert done["r2"].loaded == {keys[1]: 1, keys[2]: 3, keys[3]: 4}
+        for k, slot in {**done["r1"].loaded, **done["r2"].loaded}.items():
+            assert np.array_equal(dev[slot], src[keys.index(k)])
+        assert tier.stats()["blocks_loaded"] == 4 + 4  # round_trip's 4, then 4 (k1 read once)
+
+
+def test_xxh3_lane_formulation_matches_xxhash():
+    rng = np.random.default_rng(0)
+    for n in (241, 256, 1023, 1024, 1025, 1088, 4096 + 7, 65536, 2 << 20):
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        assert _native._xxh3_lanes(b) == _native.xxh3_64(b), n
+    with pytest.raises(ValueError):
+        _native._xxh3_lanes(b[:240])
