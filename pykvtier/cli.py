@@ -24,6 +24,7 @@ __all__ = ["SUBCOMMANDS", "register_subcommand", "build_parser", "main"]
 #: Subcommand name -> module implementing it (``HELP``, ``add_arguments``, ``run``).
 SUBCOMMANDS: dict[str, str] = {
     "replay": "pykvtier.replay",
+    "doctor": "pykvtier.doctor",
     "bench": "pykvtier.bench",
 }
 

@@ -1,0 +1,355 @@
+"""``pykvtier doctor``: what this machine gives pykvtier, and the path loads will take.
+
+Reports the kernel; io_uring (whether rings can be set up, which setup flags and opcodes work, and
+the operations the engine relies on really run in the root: openat into a fixed-file slot, fixed
+reads/writes, statx, renameat, unlinkat); O_DIRECT at the root and its DIO alignment (statx
+STATX_DIOALIGN); RLIMIT_MEMLOCK (registered buffers pin memory); the GPU and driver; kvikio,
+cuFile / GPUDirect Storage; and the paths host-arena and GPU-arena loads take, with the reason.
+Runs everywhere (a machine without a GPU, kvikio or even io_uring is explained, not an error);
+``--json`` prints the same as one JSON object (keys: see :func:`collect`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HELP = "explain this machine: kernel, io_uring, O_DIRECT, memlock, GPU, kvikio/GDS, and the load paths"
+
+__all__ = ["HELP", "add_arguments", "collect", "format_text", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", default=None,
+                   help="the tier's directory to probe (O_DIRECT, DIO alignment, io_uring file ops, "
+                        "cuFile); default: the current directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--no-gpu", action="store_true",
+                   help="skip the GPU probes that load CUDA libraries (torch, the gds engine)")
+
+
+# ---------------------------------------------------------------------------- probes
+
+
+def _kernel() -> dict[str, Any]:
+    u = platform.uname()
+    return {"system": u.system, "release": u.release, "version": u.version, "machine": u.machine}
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _io_uring(root: str | None) -> dict[str, Any]:
+    from . import _native
+
+    out: dict[str, Any] = {"io_uring_disabled_sysctl": _read("/proc/sys/kernel/io_uring_disabled")}
+    out.update(_native.probe_uring(root or ""))
+    try:
+        e = _native.Engine(queue_depth=1, workers=1)
+        e.shutdown()
+        out["engine"] = "uring"
+        out["engine_reason"] = "the io_uring engine starts here"
+    except ValueError as exc:
+        out["engine"] = "posix"
+        out["engine_reason"] = f"{exc}: the posix engine (preadv/pwritev threads) is used instead"
+    return out
+
+
+def _mount_of(path: str) -> dict[str, Any]:
+    """The mount holding path: its mount point, file system type and source (from mountinfo)."""
+    best: dict[str, Any] = {}
+    real = os.path.realpath(path)
+    for line in (_read("/proc/self/mountinfo") or "").splitlines():
+        parts = line.split()
+        if "-" not in parts:
+            continue
+        sep = parts.index("-")
+        mnt = parts[4].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best.get("mount", "")):
+            best = {"mount": mnt, "fstype": parts[sep + 1], "source": parts[sep + 2]}
+    return best
+
+
+def _root(root: str) -> dict[str, Any]:
+    from . import _native
+
+    out: dict[str, Any] = {"path": os.path.abspath(root), "exists": os.path.isdir(root)}
+    probe_dir = root
+    if not out["exists"]:  # probe its nearest existing parent: where the tier would be created
+        probe_dir = os.path.abspath(root)
+        while not os.path.isdir(probe_dir):
+            probe_dir = os.path.dirname(probe_dir)
+        out["probed_instead"] = probe_dir
+    out.update(_mount_of(probe_dir))
+    try:
+        st = os.statvfs(probe_dir)
+        out["free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError:
+        out["free_bytes"] = None
+    try:
+        out["o_direct"] = dict(_native.probe_direct(probe_dir))
+    except ValueError as exc:
+        out["o_direct"] = {"direct": False, "reason": str(exc), "mem_align": None, "offset_align": None,
+                           "dioalign_from_statx": False}
+    out["writable"] = os.access(probe_dir, os.W_OK)
+    out["probe_dir"] = probe_dir
+    return out
+
+
+def _memlock() -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    fmt = lambda v: None if v == resource.RLIM_INFINITY else v  # noqa: E731
+    root = os.geteuid() == 0
+    return {"soft": fmt(soft), "hard": fmt(hard), "unlimited": soft == resource.RLIM_INFINITY,
+            "euid0": root,
+            "note": ("registered (fixed) buffers pin the arena; pinned bytes count against RLIMIT_MEMLOCK "
+                     "unless the process has CAP_IPC_LOCK" + (" (root: it has)" if root else "") +
+                     "; where registration fails the engine reads into plain memory and counts it")}
+
+
+def _versions(*names: str) -> dict[str, str]:
+    out = {}
+    for n in names:
+        try:
+            out[n] = importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _gpu(no_gpu: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"devices": [], "driver_version": None, "nvidia_smi": None, "torch": None,
+                           "torch_cuda": None, "cuda_available": False}
+    drv = _read("/proc/driver/nvidia/version")
+    if drv:
+        out["proc_driver"] = drv.splitlines()[0]
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            r = subprocess.run([smi, "--query-gpu=index,name,driver_version,memory.total,pci.bus_id",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+            rows = [[c.strip() for c in line.split(",")] for line in r.stdout.strip().splitlines() if line]
+            out["nvidia_smi"] = rows if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()[:200]}"
+            if r.returncode == 0 and rows:
+                out["driver_version"] = rows[0][2]
+        except (OSError, subprocess.SubprocessError) as exc:
+            out["nvidia_smi"] = f"failed: {exc}"
+    if not no_gpu and importlib.util.find_spec("torch") is not None:
+        try:
+            import torch
+
+            out["torch"] = torch.__version__
+            out["torch_cuda"] = torch.version.cuda
+            out["cuda_available"] = bool(torch.cuda.is_available())
+            if out["cuda_available"]:
+                for i in range(torch.cuda.device_count()):
+                    p = torch.cuda.get_device_properties(i)
+                    out["devices"].append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+                                           "memory_bytes": int(p.total_memory)})
+        except Exception as exc:  # a broken torch install is worth reporting, not dying on
+            out["torch_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _gds(root: str | None, no_gpu: bool) -> dict[str, Any]:
+    from . import _native, gpu
+
+    if no_gpu:
+        info = _native.gds_build_info()
+        st: dict[str, Any] = {"built": info["built"], "build_reason": info["reason"], "importable": None,
+                              "usable": False, "reason": "not probed (--no-gpu)"}
+    else:
+        st = gpu.gds_status(root)
+    st["packages"] = _versions("kvikio-cu12", "kvikio-cu13", "libkvikio-cu12", "libkvikio-cu13",
+                               "rapids-logger", "nvidia-cufile", "nvidia-cufile-cu12", "cuda-pathfinder")
+    st["nvidia_fs_module"] = os.path.isdir("/sys/module/nvidia_fs") or os.path.exists("/proc/driver/nvidia-fs")
+    st["run_udev_readable"] = os.access("/run/udev", os.R_OK)
+    cfg = os.environ.get("CUFILE_ENV_PATH_JSON") or "/etc/cufile.json"
+    st["cufile_json"] = cfg if os.path.isfile(cfg) else None
+    st["kvikio_env"] = {k: v for k, v in os.environ.items() if k.startswith("KVIKIO_")}
+    return st
+
+
+def _paths(report: dict[str, Any]) -> dict[str, Any]:
+    from . import gpu
+
+    uring, root, gds = report["io_uring"], report["root"], report["gds"]
+    host = uring["engine"]
+    od = root["o_direct"]
+    host_io = "O_DIRECT" if od.get("direct") else f"buffered I/O ({od.get('reason')})"
+    out: dict[str, Any] = {
+        "host_engine": host,
+        "host_io": host_io,
+        "host": f"{'io_uring' if host == 'uring' else 'posix'} engine, {host_io}",
+    }
+    if gds.get("importable") is None:  # --no-gpu
+        out["device"] = {"path": None, "reason": "not probed (--no-gpu)", "fallback": None}
+        return out
+    choice = gpu.choose_path(gds, "auto", host)
+    gpu_here = bool(report["gpu"]["devices"]) or bool(gds.get("cuda_devices"))
+    out["device"] = {"path": choice.path, "reason": choice.reason, "fallback": choice.fallback,
+                     "gpu_present": gpu_here}
+    return out
+
+
+def collect(root: str | None = None, no_gpu: bool = False) -> dict[str, Any]:
+    """Everything ``doctor`` reports, as a dict with the keys: pykvtier, kernel, io_uring, root,
+    memlock, gpu, gds, paths (each a dict)."""
+    from . import __version__
+
+    root_dir = root or os.getcwd()
+    r = _root(root_dir)
+    report: dict[str, Any] = {
+        "pykvtier": {"version": __version__, "python": sys.version.split()[0], "executable": sys.executable},
+        "kernel": _kernel(),
+    }
+    # the io_uring file checks run in a scratch directory inside the root (removed after)
+    scratch = None
+    if r.get("writable"):
+        try:
+            scratch = tempfile.mkdtemp(prefix=".pykvtier-doctor-", dir=r["probe_dir"])
+        except OSError:
+            scratch = None
+    try:
+        report["io_uring"] = _io_uring(scratch)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    report["root"] = r
+    report["memlock"] = _memlock()
+    report["gpu"] = _gpu(no_gpu)
+    report["gds"] = _gds(r["probe_dir"], no_gpu)
+    report["paths"] = _paths(report)
+    return report
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _marks(d: dict[str, bool]) -> str:
+    return " ".join(f"{k}{'+' if v else '-'}" for k, v in d.items())
+
+
+def format_text(rep: dict[str, Any]) -> str:
+    lines: list[str] = []
+
+    def row(label: str, text: str, *more: str) -> None:
+        lines.append(f"{label:<16}{text}")
+        for m in more:
+            lines.append(f"{'':<16}{m}")
+
+    p, k = rep["pykvtier"], rep["kernel"]
+    lines.append(f"pykvtier doctor: pykvtier {p['version']}, Python {p['python']}")
+    row("kernel", f"{k['system']} {k['release']} {k['machine']}")
+
+    u = rep["io_uring"]
+    if u["available"]:
+        checks = u.get("checks", {})
+        failed = [f"{n} ({d})" for n, (ok, d) in checks.items() if not ok]
+        row("io_uring", f"available; engine: {u['engine']}",
+            "setup flags: " + _marks(u["setup_flags"]),
+            "ops: " + _marks(u["ops"]),
+            "features: " + " ".join(u["features"]),
+            ("checks run in the root: " + _marks({n: ok for n, (ok, _) in checks.items()}))
+            + ("" if not failed else "; failed: " + "; ".join(failed)))
+    else:
+        row("io_uring", f"unavailable: {u['error']}"
+            + (f" (kernel.io_uring_disabled={u['io_uring_disabled_sysctl']})"
+               if u.get("io_uring_disabled_sysctl") not in (None, "0") else ""),
+            u["engine_reason"])
+
+    r = rep["root"]
+    where = r["path"] + ("" if r["exists"] else f" (missing; probed {r['probe_dir']})")
+    row("root", f"{where}: {r.get('fstype', '?')} on {r.get('source', '?')}, {_size(r.get('free_bytes'))} free")
+    od = r["o_direct"]
+    if od.get("direct"):
+        src = "statx STATX_DIOALIGN" if od.get("dioalign_from_statx") else "assumed (no STATX_DIOALIGN)"
+        row("O_DIRECT", f"yes; DIO alignment: memory {od['mem_align']} B, offset {od['offset_align']} B ({src})")
+    else:
+        row("O_DIRECT", f"no: {od.get('reason')}; the tier falls back to buffered I/O (logged, counted)")
+
+    m = rep["memlock"]
+    row("RLIMIT_MEMLOCK", f"soft {_size(m['soft'])}, hard {_size(m['hard'])}" + (", euid 0" if m["euid0"] else ""),
+        m["note"])
+
+    g = rep["gpu"]
+    if g["devices"]:
+        devs = "; ".join(f"cuda:{d['index']} {d['name']} (sm {d['capability']}, {_size(d['memory_bytes'])})"
+                         for d in g["devices"])
+        row("GPU", devs, f"driver {g['driver_version'] or g.get('proc_driver') or '?'}; torch {g['torch']} "
+                         f"(CUDA {g['torch_cuda']})")
+    elif isinstance(g["nvidia_smi"], list) and g["nvidia_smi"]:
+        row("GPU", "; ".join(f"{r_[1]} (driver {r_[2]})" for r_ in g["nvidia_smi"]),
+            f"torch: {g['torch'] or 'not installed'}" + (f" ({g.get('torch_error')})" if g.get("torch_error") else ""))
+    else:
+        why = []
+        why.append(f"torch {g['torch']} sees no CUDA device" if g["torch"] else "torch not installed")
+        why.append("nvidia-smi not found" if g["nvidia_smi"] is None else f"nvidia-smi: {g['nvidia_smi']}")
+        if not g.get("proc_driver"):
+            why.append("no NVIDIA driver loaded (/proc/driver/nvidia)")
+        row("GPU", "none (" + "; ".join(why) + ")")
+
+    s = rep["gds"]
+    pk = s.get("packages") or {}
+    kv = s.get("kvikio_version") or s.get("build_kvikio_version")
+    row("kvikio", (f"{kv}" if kv else "none") + (f"; packages: {', '.join(f'{a} {b}' for a, b in pk.items())}"
+                                                 if pk else "; no kvikio / libkvikio package installed"),
+        f"gds engine: {s.get('build_reason')}"
+        + ("" if not s.get("built") or s.get("importable") is None
+           else ("; loads" if s.get("importable") else f"; {s.get('import_reason')}")))
+    gds_lines = [f"nvidia-fs module: {'loaded' if s['nvidia_fs_module'] else 'not loaded'}; "
+                 f"/run/udev: {'readable' if s['run_udev_readable'] else 'not readable'}; "
+                 f"cufile.json: {s['cufile_json'] or 'none'}"]
+    if s.get("importable"):
+        gds_lines.append(f"libcufile: {'loads' if s.get('cufile_library') else 'missing'} "
+                         f"(version {s.get('cufile_version')}); driver: "
+                         f"{'nvidia-fs ' + str(s.get('nvfs_version')) if s.get('gds_available') else 'no nvidia-fs'}; "
+                         f"kvikio compat mode default {s.get('compat_mode_default')}")
+        if s.get("root_probe"):
+            gds_lines.append(f"at the root: {s['root_probe'].get('reason')}")
+        for n in s.get("notes") or []:
+            gds_lines.append(f"note: {n}")
+    row("cuFile / GDS", ("usable: " if s.get("usable") else "not usable: ") + s.get("reason", ""), *gds_lines)
+
+    pa = rep["paths"]
+    dev = pa["device"]
+    dev_text = ("not probed (--no-gpu)" if dev["path"] is None else
+                f"{dev['path']} path: {dev['reason']}")
+    if dev["path"] is not None and not dev.get("gpu_present"):
+        dev_text = f"no GPU here; where a CUDA arena is set, the {dev['path']} path: {dev['reason']}"
+    row("loads", f"host arenas: {pa['host']}", f"GPU arenas: {dev_text}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = collect(args.root, no_gpu=args.no_gpu)
+    if args.json:
+        print(json.dumps(rep, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_text(rep))
+    return 0
