@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up pykvtier on Debian/Ubuntu: system packages (liburing, xxHash, compilers, fio), then a
-# virtual environment at .venv with pykvtier built and installed with its test extras.
+# virtual environment at .venv with pykvtier built and installed with its test extras, and vLLM
+# (CPU, --no-deps, requirements-vllm.txt) for the vLLM plug-in's tests.
 # Idempotent; runs as root or through sudo. Usage: bash scripts/setup.sh [--editable]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,17 @@ if [ "${1:-}" = "--editable" ]; then
 else
   .venv/bin/python -m pip install -q '.[test]'
 fi
+# vLLM, for the vLLM plug-in's tests (tests/test_vllm.py) and bench/vs_vllm_fs.py: torch's CPU
+# build first, with its deps; then vLLM and the packages its kv_offload modules import, without
+# vLLM's own dependency tree (a CUDA torch and GPU kernels). Pins: requirements-vllm.txt.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q --no-deps -r requirements-vllm.txt
 # Check the installed package (from / so that the source tree does not shadow it).
 venv_python="$PWD/.venv/bin/python"
 (cd / && "$venv_python" -c "import pykvtier, pykvtier._native, pykvtier._uring; print('setup: pykvtier', pykvtier.__version__, 'ready in .venv')")
+# vLLM logs warnings on import (no CUDA here): shown only if the import fails.
+if ! vllm_check=$(cd / && "$venv_python" -c "import vllm, pykvtier.integrations.vllm; print('setup: vLLM', vllm.__version__, 'ready for pykvtier.integrations.vllm')" 2>&1); then
+  echo "$vllm_check" >&2
+  exit 1
+fi
+echo "$vllm_check" | tail -n 1

@@ -1,0 +1,621 @@
+"""pykvtier as an out-of-tree secondary tier of vLLM's tiered KV offloading.
+
+vLLM (>= 0.32; 0.33.0 is the reference) loads it from config alone, no patch to vLLM::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 34359738368,
+        "secondary_tiers": [{"type": "PyKVTier", "module_path": "pykvtier.integrations.vllm",
+                             "root_dir": ["/mnt/nvme0/kv", "/mnt/nvme1/kv"],
+                             "capacity_bytes": 1000000000000}]}}'
+
+vLLM's ``SecondaryTierFactory`` imports this module, takes the class named by ``type`` and calls
+it with ``offloading_spec``, ``primary_kv_view``, ``tier_type``, ``backpressure_detector`` and
+every other key of the tier's config as a keyword argument (see :class:`PyKVTier` for them).
+
+How it maps onto pykvtier:
+
+- One :class:`~pykvtier.tier.DiskTier` per root directory (one per NVMe drive); a key's shard
+  is chosen from its BLAKE2b digest (the digest that also names its block file), so keep the
+  list of roots, and its order, fixed. ``capacity_bytes`` is the total, split evenly.
+- Inside each root the blocks live in a namespace directory named like vLLM's own fs tier
+  does (model, dtype, block layout, ... hashed by vLLM's ``FileMapper``), under
+  ``ROOT/pykvtier/``: two models or layouts sharing a root never see each other's blocks.
+- ``primary_kv_view`` (vLLM's CPU tier, shape ``(num_chunks, stride)``) is the arena of every
+  DiskTier: registered once per engine as io_uring fixed buffers; ``TransferJob.chunk_ids``
+  are its rows; the C++ engine reads and writes the rows by address (no Python copy).
+- ``lookup`` answers HIT, MISS or RETRY only: DiskTier's HIT_PENDING (a load of the block is
+  already in flight) is a HIT here, since vLLM's manager makes HIT_PENDING of a tier's HIT
+  itself and treats anything else as a miss.
+
+Importing this module imports vLLM; importing ``pykvtier`` never does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from .. import __version__
+from ..layout import key_digest
+from ..tier import DiskTier
+from ..tier import JobResult as TierJobResult
+from ..tier import LookupResult as TierLookupResult
+from ..tier import TransferJob as TierTransferJob
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+__all__ = ["PyKVTier", "PyKVTierInfo", "PyKVTierMetrics"]
+
+logger = logging.getLogger("pykvtier")
+
+# DiskTier's four answers -> the three vLLM takes from a tier.
+_LOOKUP = {
+    TierLookupResult.HIT: LookupResult.HIT,
+    TierLookupResult.HIT_PENDING: LookupResult.HIT,
+    TierLookupResult.RETRY: LookupResult.RETRY,
+    TierLookupResult.MISS: LookupResult.MISS,
+}
+
+# The config keys PyKVTier takes (besides the factory's own four), for the unknown-key error.
+_OPTIONS = (
+    "root_dir", "capacity_bytes", "locality", "enable_kv_events", "engine", "queue_depth",
+    "max_inflight_bytes", "direct", "fsync", "shared", "probe_ttl_s",
+)
+
+
+class PyKVTierMetrics:
+    """Prometheus metric names of the tier's own figures; counters and gauges are labelled by
+    ``root`` (the root_dir entry, one series per drive)."""
+
+    READ_BYTES = "pykvtier:read_bytes"
+    WRITE_BYTES = "pykvtier:write_bytes"
+    READ_TIME = "pykvtier:read_time_seconds"
+    WRITE_TIME = "pykvtier:write_time_seconds"
+    BLOCKS_READ = "pykvtier:blocks_read"
+    BLOCKS_WRITTEN = "pykvtier:blocks_written"
+    LOAD_FAILURES = "pykvtier:load_failures"
+    STORE_FAILURES = "pykvtier:store_failures"
+    VERIFY_FAILURES = "pykvtier:verify_failures"
+    EVICTIONS = "pykvtier:evictions"
+    EVICTION_FAILURES = "pykvtier:eviction_failures"
+    CAPACITY_REJECTIONS = "pykvtier:capacity_rejections"
+    DIRECT_FALLBACKS = "pykvtier:direct_fallbacks"
+    ENGINE_FALLBACKS = "pykvtier:engine_fallbacks"
+    LOOKUPS = "pykvtier:lookups"
+    LOOKUP_HITS = "pykvtier:lookup_hits"
+    PROBES = "pykvtier:probes"
+    SUBMITS = "pykvtier:io_uring_submits"
+    USED_BYTES = "pykvtier:used_bytes"
+    BLOCKS_PRESENT = "pykvtier:blocks_present"
+    LOAD_JOB_TIME = "pykvtier:load_job_seconds"
+    STORE_JOB_TIME = "pykvtier:store_job_seconds"
+
+
+_LABELS = ("root",)
+# counter metric -> (DiskTier.stats() key, documentation)
+_COUNTERS = {
+    PyKVTierMetrics.READ_BYTES: ("bytes_loaded", "Payload bytes read from the disk tier."),
+    PyKVTierMetrics.WRITE_BYTES: ("bytes_stored", "Payload bytes written to the disk tier."),
+    PyKVTierMetrics.BLOCKS_READ: ("blocks_loaded", "Blocks read (and verified) from the disk tier."),
+    PyKVTierMetrics.BLOCKS_WRITTEN: ("blocks_stored", "Blocks written to the disk tier."),
+    PyKVTierMetrics.LOAD_FAILURES: (
+        "load_failures", "Block loads that failed (missing, unreadable or corrupt file)."),
+    PyKVTierMetrics.STORE_FAILURES: ("store_failures", "Block stores that failed."),
+    PyKVTierMetrics.VERIFY_FAILURES: (
+        "verify_failures", "Blocks that failed verification on load (and were quarantined)."),
+    PyKVTierMetrics.EVICTIONS: ("evictions", "Blocks evicted to stay within capacity_bytes."),
+    PyKVTierMetrics.EVICTION_FAILURES: ("eviction_failures", "Evictions whose unlink failed."),
+    PyKVTierMetrics.CAPACITY_REJECTIONS: (
+        "capacity_rejections", "Blocks not stored: every block was in use."),
+    PyKVTierMetrics.DIRECT_FALLBACKS: (
+        "direct_fallbacks", "Roots where O_DIRECT was refused and buffered I/O is used."),
+    PyKVTierMetrics.LOOKUPS: ("lookups", "Phase-1 lookups answered."),
+    PyKVTierMetrics.LOOKUP_HITS: ("hits", "Phase-1 lookups answered HIT."),
+    PyKVTierMetrics.PROBES: ("probes", "Asynchronous existence probes (statx) submitted."),
+    PyKVTierMetrics.SUBMITS: ("submits", "io_uring_submit calls that carried block I/O."),
+}
+
+
+@dataclass(frozen=True)
+class PyKVTierInfo:
+    """Static facts of one PyKVTier, published on vllm:kv_offload_config_info (vLLM >= 0.33;
+    shaped as vLLM's ``ConfigInfo``: one label per field, None written "None")."""
+
+    pykvtier_version: str
+    # Data path: "uring" (io_uring) or "posix" (preadv/pwritev pool, where io_uring is refused).
+    pykvtier_engine: str
+    # O_DIRECT on every root.
+    pykvtier_direct: bool
+    pykvtier_roots: int
+    pykvtier_root_dir: str
+    pykvtier_capacity_bytes: int | None
+    pykvtier_block_bytes: int
+    pykvtier_shared: bool
+    pykvtier_queue_depth: int
+
+    @classmethod
+    def config_info_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def as_config_info(self) -> dict[str, str | int | float | bool]:
+        return {f.name: "None" if (v := getattr(self, f.name)) is None else v
+                for f in fields(self)}
+
+
+@dataclass
+class _Job:
+    """A vLLM job on its way through one or more DiskTiers (one part per shard)."""
+
+    job_id: int
+    is_load: bool
+    parts: dict[int, list[bytes]]  # shard -> its keys (only kept when there are several)
+    success: bool = True
+    ok_keys: list[bytes] = field(default_factory=list)
+    transfer_time: float = 0.0
+    transfer_bytes: int = 0
+
+
+def _roots(root_dir: Any) -> list[str]:
+    if isinstance(root_dir, (str, os.PathLike)):
+        roots = [os.fspath(root_dir)]
+    elif isinstance(root_dir, (list, tuple)) and root_dir:
+        roots = [os.fspath(r) for r in root_dir]
+    else:
+        raise ValueError(
+            f"PyKVTier: root_dir must be a path or a non-empty list of paths (one per drive), "
+            f"got {root_dir!r}")
+    seen = set()
+    for r in roots:
+        a = os.path.realpath(r)
+        if a in seen:
+            raise ValueError(f"PyKVTier: root_dir lists {r!r} twice")
+        seen.add(a)
+    return roots
+
+
+class PyKVTier(SecondaryTierManager):
+    """vLLM secondary tier on local NVMe (or any POSIX file system), through pykvtier.
+
+    Config keys (keyword arguments; any other key is an error naming it):
+
+    - ``root_dir`` (required): a directory, or a list of directories, one per drive; keys are
+      sharded across them by digest. Keep the list fixed: a key is looked for in its shard only.
+    - ``capacity_bytes``: total block-file bytes kept (split evenly across roots); least
+      recently used blocks are evicted, never one being read. None (default): no limit.
+    - ``locality``: "LOCAL" or "REMOTE" (vLLM's ``Locality``), reported in events and used by
+      per-request tier filters. Default None.
+    - ``enable_kv_events``: emit vLLM KV events (stored, and removed on eviction or failed
+      load) for this tier; effective only when KV cache events are on globally.
+    - ``engine``: "auto" (io_uring where allowed, else posix, logged), "uring" or "posix".
+    - ``queue_depth``, ``max_inflight_bytes``: block requests / payload bytes in flight per
+      root. ``direct``: O_DIRECT (None: where the file system takes it). ``fsync``: fdatasync
+      each block before it is renamed into place. ``shared``: the root is shared with other
+      processes (other vLLM instances): unknown keys are probed asynchronously (RETRY until the
+      probe lands, one step) instead of answered MISS. ``probe_ttl_s``: how long a probe's
+      "not found" stays a MISS.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **options: Any,
+    ) -> None:
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"secondary tier {tier_type!r} (PyKVTier): unknown config key"
+                f"{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)}; "
+                f"accepted keys: {', '.join(_OPTIONS)}")
+        if "root_dir" not in options:
+            raise ValueError(f"secondary tier {tier_type!r} (PyKVTier): 'root_dir' is required "
+                             "(a directory, or a list of directories, one per drive)")
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        roots = _roots(options["root_dir"])
+        capacity_bytes = options.get("capacity_bytes")
+        locality = options.get("locality")
+        engine = options.get("engine", "auto")
+        queue_depth = int(options.get("queue_depth", 64))
+        max_inflight_bytes = int(options.get("max_inflight_bytes", 256 << 20))
+        direct = options.get("direct")
+        fsync = bool(options.get("fsync", False))
+        shared = bool(options.get("shared", False))
+        probe_ttl_s = float(options.get("probe_ttl_s", 1.0))
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
+                    or capacity_bytes <= 0:
+                raise ValueError(f"PyKVTier: capacity_bytes must be a positive int, "
+                                 f"got {capacity_bytes!r}")
+        if locality is not None:
+            try:
+                self.locality = Locality(locality)
+            except ValueError:
+                raise ValueError(
+                    f"PyKVTier: locality must be one of "
+                    f"{[loc.value for loc in Locality]}, got {locality!r}") from None
+
+        view = primary_kv_view
+        if view.ndim != 2 or not view.c_contiguous:
+            raise ValueError(f"PyKVTier: primary_kv_view must be a C-contiguous (num_chunks, "
+                             f"stride) view, got shape {view.shape}")
+        self.num_chunks = view.shape[0]
+        block = self.block_size_bytes  # the row stride, set by the base class
+
+        self._events: list[OffloadingEvent] | None = None
+        if options.get("enable_kv_events", False):
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                logger.warning("pykvtier: enable_kv_events is set on secondary tier %r but KV "
+                               "cache events are off globally; the tier emits none", tier_type)
+        # digest -> key of blocks announced as stored and not yet as removed
+        self._announced: dict[bytes, bytes] = {}
+
+        per_root = None if capacity_bytes is None else capacity_bytes // len(roots)
+        self.roots = roots
+        self.namespace_dirs: list[str] = []
+        self._tiers: list[DiskTier] = []
+        try:
+            for root in roots:
+                ns = self._namespace_dir(root, offloading_spec)
+                try:
+                    tier = DiskTier(
+                        ns, block, capacity_bytes=per_root, shared=shared, direct=direct,
+                        queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
+                        probe_ttl_s=probe_ttl_s, fsync=fsync, engine=engine,
+                        track_removals=self._events is not None,
+                    )
+                except ValueError as exc:
+                    split = (f" (capacity_bytes={capacity_bytes} split over {len(roots)} roots)"
+                             if per_root is not None and len(roots) > 1 else "")
+                    raise ValueError(f"PyKVTier: root {root!r}{split}: {exc}") from exc
+                self._tiers.append(tier)
+                self.namespace_dirs.append(ns)
+                # Registers the primary view as the engine's fixed buffers (pins it, once).
+                tier.set_arena(view, slot_bytes=block)
+        except BaseException:
+            for t in self._tiers:
+                t.shutdown()
+            raise
+
+        self._single = self._tiers[0] if len(self._tiers) == 1 else None
+        self.engine_name = self._tiers[0].engine_name
+        self.direct = all(t.direct for t in self._tiers)
+        self._engine_requested = engine
+        self._jobs: dict[int, _Job] = {}
+        self._ready: list[JobResult] = []
+        # figures for get_stats(): last DiskTier.stats() per root, times and job durations since
+        self._last_stats: list[dict[str, int]] = [{} for _ in self._tiers]
+        self._times = [[0.0, 0.0] for _ in self._tiers]  # per root: [read s, write s]
+        self._job_times: list[tuple[bool, float]] = []  # (is_load, transfer seconds)
+        self._fallbacks_reported = False
+        self._closed = False
+        self._info = PyKVTierInfo(
+            pykvtier_version=__version__,
+            pykvtier_engine=self.engine_name,
+            pykvtier_direct=self.direct,
+            pykvtier_roots=len(roots),
+            pykvtier_root_dir=",".join(roots),
+            pykvtier_capacity_bytes=capacity_bytes,
+            pykvtier_block_bytes=block,
+            pykvtier_shared=shared,
+            pykvtier_queue_depth=queue_depth,
+        )
+        logger.info("pykvtier: vLLM tier %r on %s: %d-byte blocks, engine %s, O_DIRECT %s, "
+                    "capacity %s", tier_type, self.namespace_dirs, block, self.engine_name,
+                    self.direct, capacity_bytes)
+
+    @staticmethod
+    def _namespace_dir(root: str, spec: OffloadingSpec) -> str:
+        """ROOT/pykvtier/<model>_<hash of the run config>_r<rank>, named by vLLM's FileMapper
+        (as vLLM's fs tier names its own), with the run config written beside the blocks."""
+        mapper = FileMapper.from_offloading_spec(
+            root_dir=os.path.join(root, "pykvtier"), offloading_spec=spec,
+            blocks_per_file=spec.blocks_per_chunk, parallel_agnostic=True)
+        ns = f"{mapper.base_path}_r{mapper.rank}"
+        os.makedirs(ns, exist_ok=True)
+        cfg = os.path.join(ns, "config.json")
+        if not os.path.exists(cfg):
+            tmp = f"{cfg}.tmp.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"format": "pykvtier", "pykvtier_version": __version__,
+                           **mapper.get_run_config()}, f, indent=2, sort_keys=True)
+            os.replace(tmp, cfg)
+        return ns
+
+    # ------------------------------------------------------------------ phase 1
+
+    def _shard(self, key: bytes) -> int:
+        return int.from_bytes(key_digest(key)[:8], "little") % len(self._tiers)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT, MISS or RETRY from the in-memory index; never blocks (see DiskTier.lookup)."""
+        tier = self._single or self._tiers[self._shard(key)]
+        return _LOOKUP[tier.lookup(key)]
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._single is not None:
+            self._single.touch(keys)
+            return
+        for i, part in self._split(keys).items():
+            self._tiers[i].touch(part)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Submits the step's existence probes (shared roots): one batch per root."""
+        for tier in self._tiers:
+            tier.on_step_end()
+
+    # ------------------------------------------------------------------ phase 2
+
+    def _split(self, keys: Iterable[bytes]) -> dict[int, list[bytes]]:
+        parts: dict[int, list[bytes]] = {}
+        for k in keys:
+            parts.setdefault(self._shard(k), []).append(k)
+        return parts
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_load=True)
+
+    def _submit(self, job: TransferJob, is_load: bool) -> None:
+        """Hands the job to its shard(s); never raises for a job vLLM already registered: a
+        part that cannot be submitted fails its keys, reported by get_finished_jobs()."""
+        keys = list(job.keys)
+        chunk_ids = job.chunk_ids
+        rows = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else [int(c) for c in chunk_ids]
+        if len(rows) != len(keys):
+            logger.error("pykvtier: job %d has %d keys but %d chunk_ids; failed", job.job_id,
+                         len(keys), len(rows))
+            self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
+            return
+        if not keys:
+            self._ready.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
+            return
+        if self._single is not None:
+            parts = {0: (keys, rows)}
+        else:
+            parts = {}
+            for k, r in zip(keys, rows):
+                ks, rs = parts.setdefault(self._shard(k), ([], []))
+                ks.append(k)
+                rs.append(r)
+        state = _Job(job.job_id, is_load, {})
+        submit = DiskTier.submit_load if is_load else DiskTier.submit_store
+        for i, (ks, rs) in parts.items():
+            try:
+                submit(self._tiers[i], TierTransferJob(job.job_id, ks, rs))
+            except Exception as exc:  # noqa: BLE001 - reported as the keys' failure
+                logger.error("pykvtier: %s job %d (%d keys) not submitted to %s: %s",
+                             "load" if is_load else "store", job.job_id, len(ks),
+                             self._tiers[i].layout.root, exc)
+                state.success = False
+                continue
+            state.parts[i] = ks
+        if state.parts:
+            self._jobs[job.job_id] = state
+        else:
+            self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Every submitted job exactly once; never blocks. Partial loads carry
+        ``successful_keys``; ``transfer_time`` is the engine's (first SQE to last completion)."""
+        out, self._ready = self._ready, []
+        for i, tier in enumerate(self._tiers):
+            for r in tier.get_finished_jobs():
+                done = self._merge(i, r)
+                if done is not None:
+                    out.append(done)
+        if self._events is not None:
+            self._collect_removals()
+        return out
+
+    def _merge(self, shard: int, r: TierJobResult) -> JobResult | None:
+        job = self._jobs[r.job_id]
+        keys = job.parts.pop(shard)
+        t = r.transfer_time or 0.0
+        self._times[shard][0 if job.is_load else 1] += t
+        job.transfer_time = max(job.transfer_time, t)  # parts run side by side
+        job.transfer_bytes += r.transfer_bytes or 0
+        if r.success:
+            ok = keys
+        else:
+            job.success = False
+            ok = list(r.successful_keys or ())
+        if job.is_load:
+            job.ok_keys.extend(ok)
+        elif self._events is not None and ok:
+            self._announce_stored(ok)
+        if job.parts:
+            return None
+        del self._jobs[r.job_id]
+        self._job_times.append((job.is_load, job.transfer_time))
+        return JobResult(
+            job_id=job.job_id,
+            success=job.success,
+            successful_keys=(tuple(job.ok_keys) if job.is_load and not job.success
+                             and job.ok_keys else None),
+            transfer_time=job.transfer_time,
+            transfer_bytes=job.transfer_bytes,
+        )
+
+    # ------------------------------------------------------------------ events
+
+    def _announce_stored(self, keys: list[bytes]) -> None:
+        new = []
+        for k in keys:
+            d = key_digest(k)
+            if d not in self._announced:
+                self._announced[d] = k
+                new.append(k)
+        if new:
+            self._events.append(OffloadingEvent(keys=new, medium=self.medium, removed=False,
+                                                locality=self.locality))
+
+    def _collect_removals(self) -> None:
+        gone = []
+        for tier in self._tiers:
+            for d in tier.take_removed():
+                k = self._announced.pop(d, None)
+                if k is not None:
+                    gone.append(k)
+        if gone:
+            self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True,
+                                                locality=self.locality))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stored events for blocks this tier wrote (each block announced once), and removed
+        events when such a block is evicted or its load failed. None unless enable_kv_events."""
+        if self._events is None:
+            return
+        self._collect_removals()
+        events, self._events = self._events, []
+        yield from events
+
+    # ------------------------------------------------------------------ waiting, shutdown
+
+    def has_pending_work(self) -> bool:
+        return bool(self._ready) or any(t.has_pending_work() for t in self._tiers)
+
+    def drain_jobs(self) -> None:
+        """Blocks (GIL released) until no I/O of any submitted job touches the primary view;
+        in-flight reads and writes finish, none is aborted. Results stay for
+        get_finished_jobs()."""
+        for tier in self._tiers:
+            tier.drain()
+
+    def shutdown(self) -> None:
+        """Finishes in-flight I/O, then releases the engines (threads, rings, registered
+        buffers, descriptors) and the references to the primary view. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for tier in self._tiers:
+            try:
+                tier.shutdown()
+            except Exception as exc:  # noqa: BLE001 - every root gets its shutdown
+                errors.append(exc)
+                logger.exception("pykvtier: shutting down %s failed", tier.layout.root)
+        self._jobs.clear()
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ figures
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {
+            name: OffloadingCounterMetadata(documentation=doc, labelnames=_LABELS)
+            for name, (_key, doc) in _COUNTERS.items()
+        }
+        M = PyKVTierMetrics
+        defs[M.READ_TIME] = OffloadingCounterMetadata(
+            documentation="Seconds the disk tier's engine spent on load jobs (first SQE to "
+                          "last completion, summed over jobs).", labelnames=_LABELS)
+        defs[M.WRITE_TIME] = OffloadingCounterMetadata(
+            documentation="Seconds the disk tier's engine spent on store jobs.",
+            labelnames=_LABELS)
+        defs[M.ENGINE_FALLBACKS] = OffloadingCounterMetadata(
+            documentation="Roots on the posix engine because io_uring was refused.",
+            labelnames=_LABELS)
+        defs[M.USED_BYTES] = OffloadingGaugeMetadata(
+            documentation="Block-file bytes held by the disk tier (what capacity_bytes limits).",
+            labelnames=_LABELS)
+        defs[M.BLOCKS_PRESENT] = OffloadingGaugeMetadata(
+            documentation="Blocks loadable from the disk tier.", labelnames=_LABELS)
+        buckets = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+        defs[M.LOAD_JOB_TIME] = OffloadingHistogramMetadata(
+            documentation="Seconds per load job in the disk tier's engine.", buckets=buckets)
+        defs[M.STORE_JOB_TIME] = OffloadingHistogramMetadata(
+            documentation="Seconds per store job in the disk tier's engine.", buckets=buckets)
+        return defs
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The tier's own figures since the last call: bytes, blocks and seconds moved,
+        failures, verification failures, evictions, fallbacks; gauges of used bytes/blocks."""
+        M = PyKVTierMetrics
+        stats = OffloadingConnectorStats()
+        for i, tier in enumerate(self._tiers):
+            label = (self.roots[i],)
+            cur = tier.stats()
+            last = self._last_stats[i]
+            for name, (key, _doc) in _COUNTERS.items():
+                delta = cur[key] - last.get(key, 0)
+                if delta:
+                    stats.increase_counter(name, delta, label)
+            self._last_stats[i] = cur
+            read_s, write_s = self._times[i]
+            if read_s:
+                stats.increase_counter(M.READ_TIME, read_s, label)
+            if write_s:
+                stats.increase_counter(M.WRITE_TIME, write_s, label)
+            self._times[i] = [0.0, 0.0]
+            if (not self._fallbacks_reported and self._engine_requested == "auto"
+                    and tier.engine_name != "uring"):
+                stats.increase_counter(M.ENGINE_FALLBACKS, 1, label)
+            stats.set_gauge(M.USED_BYTES, cur["used_bytes"], label)
+            stats.set_gauge(M.BLOCKS_PRESENT, cur["blocks_present"], label)
+        self._fallbacks_reported = True
+        for is_load, t in self._job_times:
+            stats.observe_histogram(M.LOAD_JOB_TIME if is_load else M.STORE_JOB_TIME, t)
+        self._job_times.clear()
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return PyKVTierInfo.config_info_keys()
+
+    def config_info(self) -> dict[str, str | int | float | bool]:
+        return self._info.as_config_info()
+
+    def stats(self) -> dict[str, int]:
+        """DiskTier.stats() summed over the roots (for tests, benchmarks and logs)."""
+        total: dict[str, int] = {}
+        for tier in self._tiers:
+            for k, v in tier.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    @property
+    def tiers(self) -> list[DiskTier]:
+        """The DiskTier of each root, in root_dir order."""
+        return list(self._tiers)
