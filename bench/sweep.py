@@ -70,6 +70,7 @@ def plot(results: dict, bss: list[int], qds: list[int], tools: list[str], png: s
             axes[r][c].grid(True, alpha=0.3)
         axes[0][c].set_ylim(bottom=0)
         axes[1][c].set_yscale("log")
+        axes[1][c].yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         axes[1][c].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axes[1][c].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0][0].set_ylabel("GB/s (randread, O_DIRECT)")
@@ -95,9 +96,25 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=os.path.join(HERE, "sweep.png"), help="plot (default bench/sweep.png)")
     ap.add_argument("--json", default=os.path.join(HERE, "out", "sweep.json"), help="results (default bench/out/sweep.json)")
     ap.add_argument("--title", help="plot title (default: host, kernel, file system)")
+    ap.add_argument("--note", default="", help="a second title line (e.g. 'virtual disk, throttled')")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a sweep JSON written earlier")
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the data files")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as fh:
+            data = json.load(fh)
+        keys = [k.split("/") for k in data["medians"]]
+        bss = sorted({int(k[0]) for k in keys})
+        qds = sorted({int(k[1]) for k in keys})
+        tools = [t for t in ("fio", *ENGINES) if any(k[2] == t for k in keys)]
+        env = data["env"]
+        title = args.title or (f"pykvtier bench vs fio: randread, O_DIRECT, one block per file, cold; medians of "
+                               f"{env['rounds']} rounds\n{env['host']} {env['kernel']}, {env['mount'][1]} on "
+                               f"{env['mount'][2]}" + (f" -- {args.note}" if args.note else ""))
+        why = plot(data["medians"], bss, qds, tools, args.png, title)
+        print(why if why else f"wrote {args.png}")
+        return 0 if not why else 1
     if not F.fio_available():
         print("error: fio not found on PATH (apt-get install fio)", file=sys.stderr)
         return 2
@@ -171,7 +188,7 @@ def main(argv=None) -> int:
             print(f"  bs={fmt_size(bs):>7} qd={qd:<3} " + " | ".join(cells))
     title = args.title or (f"pykvtier bench vs fio: randread, O_DIRECT, one block per file, cold; "
                            f"medians of {args.rounds} rounds\n{platform.node()} {platform.release()}, "
-                           f"{mnt[1]} on {mnt[2]}, {os.cpu_count()} CPUs")
+                           f"{mnt[1]} on {mnt[2]}, {os.cpu_count()} CPUs" + (f" -- {args.note}" if args.note else ""))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"env": {"time": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),

@@ -160,9 +160,11 @@ class _Progress:
         if eta_s is not None and not unknown and total and done and eta_s < 0:
             eta_s = 0
         pct_s = f"[{pct:.1f}%]" if pct is not None else ("[" + f"{min(100.0, 100.0 * (now - t0) / max(1e-9, (now - t0) + (eta_s or 0))):.1f}%]" if eta_s is not None else "[-.-%]")
-        bw = (f"[r={_num(rates['read'] / 1024, 1024, ('KiB/s', 'MiB/s', 'GiB/s'))},"
-              f"w={_num(rates['write'] / 1024, 1024, ('KiB/s', 'MiB/s', 'GiB/s'))}]")
-        io = f"[r={_iops(iops['read'])},w={_iops(iops['write'])} IOPS]"
+        dirs = [d for d in ("read", "write") if any(s.op == d or (d == "read" and s.op == "promote")
+                                                    for c in clones for s in c.streams)] or ["read"]
+        bw = "[" + ",".join(f"{d[0]}={_num(rates[d] / 1024, 1024, ('KiB/s', 'MiB/s', 'GiB/s'))}"
+                            for d in dirs) + "]"
+        io = "[" + ",".join(f"{d[0]}={_iops(iops[d])}" for d in dirs) + " IOPS]"
         eta = "" if eta_s is None else f"[eta {int(eta_s) // 60:02d}m:{int(eta_s) % 60:02d}s]"
         counts = {}
         for ch in letters:

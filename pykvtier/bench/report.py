@@ -257,12 +257,14 @@ def _iops(v: float) -> str:
     return f"{v / 1e9:.1f}G"
 
 
-def _lat_unit(lat_min_ns: float) -> tuple[str, float]:
-    unit, div = "nsec", 1.0
-    for u, d in (("usec", 1e3), ("msec", 1e6)):
-        if lat_min_ns / div > 1000:
-            unit, div = u, d
-    return unit, div
+def _lat_unit(st: dict) -> tuple[str, float]:
+    """fio's rule (stat.c): msec when min, max, mean and stdev all exceed 20 ms, usec when they
+    all exceed 20 us, else nsec."""
+    vals = (st["min"], st["max"], st["mean"], st["stddev"])
+    for unit, div in (("msec", 1e6), ("usec", 1e3)):
+        if all(v > 20 * div for v in vals):
+            return unit, div
+    return "nsec", 1.0
 
 
 def _dir_text(label: str, d: DirStats, r: CloneResult) -> list[str]:
@@ -279,7 +281,7 @@ def _dir_text(label: str, d: DirStats, r: CloneResult) -> list[str]:
     lat = d.lat()
     if len(lat):
         st = lat_stats(lat, _pcts(r))
-        unit, div = _lat_unit(st["min"])
+        unit, div = _lat_unit(st)
         what = {"I/O": "clat", "request": "clat (per request)", "key": "clat (per key)"}[r.unit]
         lines.append(f"    {what} ({unit}): min={st['min'] / div:.0f}, max={st['max'] / div:.0f}, "
                      f"avg={st['mean'] / div:.2f}, stdev={st['stddev'] / div:.2f}")

@@ -69,21 +69,30 @@ class EngineUnavailable(RuntimeError):
 
 
 def gds_unavailable_reason() -> str | None:
-    """None when a GDS path could run here, else why not."""
-    reasons = []
+    """None when a GDS path could run here, else why not (build, kvikio, GPU)."""
     import importlib.util
 
+    from .. import _native
+
+    reasons = []
+    info = getattr(_native, "gds_build_info", None)
+    if info is not None:
+        bi = info()
+        if not bi.get("built"):
+            reasons.append(f"pykvtier was built without its gds engine ({bi.get('reason') or 'kvikio not found'})")
+    elif importlib.util.find_spec("pykvtier._gds") is None:
+        reasons.append("this build of pykvtier has no gds engine (pykvtier._gds)")
     if importlib.util.find_spec("kvikio") is None:
         reasons.append("kvikio is not installed")
     if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl")):
         reasons.append("no NVIDIA GPU (/dev/nvidia0 missing)")
-    from .. import _native
-
-    if not hasattr(_native, "GdsEngine"):
-        reasons.append("this build of pykvtier has no GDS engine (pykvtier._native.GdsEngine)")
     if reasons:
         return "pykvtier-gds unavailable: " + "; ".join(reasons)
     return None
+
+
+_GDS_NOT_WIRED = ("pykvtier-gds: GPUDirect Storage is available here, but `pykvtier bench` does not "
+                  "drive the gds engine yet (device destinations); use pykvtier-uring for the host path")
 
 
 # --------------------------------------------------------------------------- engines
@@ -121,8 +130,7 @@ def _posix_engine_class():
 def make_engine(engine: str, queue_depth: int, bs: int):
     """(engine object, kind) for one stream."""
     if engine == "pykvtier-gds":
-        raise EngineUnavailable(gds_unavailable_reason() or
-                                "pykvtier-gds: the GDS engine is not wired into bench yet")
+        raise EngineUnavailable(gds_unavailable_reason() or _GDS_NOT_WIRED)
     if engine == "pykvtier-posix":
         cls = _posix_engine_class()
         return cls(queue_depth=queue_depth, max_inflight_bytes=queue_depth * bs,
@@ -592,12 +600,14 @@ def _engine_stats(eng) -> dict:
 def _tier_engine(spec: JobSpec) -> str:
     eng = spec.values["ioengine"]
     if eng == "pykvtier-gds":
-        raise EngineUnavailable(gds_unavailable_reason() or "pykvtier-gds is not wired into bench yet")
+        raise EngineUnavailable(gds_unavailable_reason() or _GDS_NOT_WIRED)
     return "posix" if eng == "pykvtier-posix" else "uring"
 
 
 def _kv_root(spec: JobSpec) -> str:
-    return spec.values["directory"] or os.getcwd()
+    """KV jobs keep their blocks in DIRECTORY/kv-<block bytes>: a DiskTier root holds one block
+    size, and jobs of the same block size share (and reuse) their stored blocks."""
+    return os.path.join(spec.values["directory"] or os.getcwd(), f"kv-{spec.values['bs'][0]}")
 
 
 def _store_population(tier, keys: list[bytes], bs: int, slots: int, log, name: str) -> int:
@@ -1008,8 +1018,7 @@ def run_group(specs: list[JobSpec], ctx: _RunContext) -> GroupResult:
         for c in _make_clones(spec, ctx):
             try:
                 if spec.values["ioengine"] == "pykvtier-gds":
-                    raise EngineUnavailable(gds_unavailable_reason() or
-                                            "pykvtier-gds is not wired into bench yet")
+                    raise EngineUnavailable(gds_unavailable_reason() or _GDS_NOT_WIRED)
                 if isinstance(c, IoClone):
                     layout_files(c.files, ctx.pattern, spec.values["allow_file_create"], spec.name, ctx.log)
                 c.prepare()
