@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if os.path.join(HERE, "..") not in sys.path:
-    sys.path.insert(0, os.path.join(HERE, ".."))
+try:  # the installed pykvtier; else the source tree above (an editable or in-place build)
+    import pykvtier  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pykvtier import DiskTier, TransferJob, gpu  # noqa: E402
 from pykvtier.buffers import Arena  # noqa: E402
