@@ -724,6 +724,24 @@ def test_manager_shutdown_releases_the_primary_mmap(root, stack):
     assert all(t._closed for t in s.tier.tiers)
 
 
+@pytest.mark.parametrize("nroots", [1, 2])
+def test_wait_blocks_until_a_job_finished(root, make_tier, nroots):
+    roots = [os.path.join(root, f"d{i}") for i in range(nroots)]
+    tier, arr = make_tier(roots if nroots > 1 else roots[0])
+    keys = [key(i) for i in range(8)]
+    fill(arr, keys, range(8))
+    tier.submit_store(job(1, keys, range(8), False))
+    seen = []
+    while tier.has_pending_work():  # wait() returns only with a result ready (no timeout)
+        tier.wait()
+        got = list(tier.get_finished_jobs())
+        assert got or not tier.has_pending_work()
+        seen += [r.job_id for r in got]
+    assert seen == [1]
+    tier.wait()  # nothing in flight: returns at once
+    tier.wait(0.001)
+
+
 def test_retry_while_block_is_written_hit_after(root, make_tier):
     tier, arr = make_tier(root)
     k = key(1)

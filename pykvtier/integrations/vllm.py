@@ -513,6 +513,28 @@ class PyKVTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return bool(self._ready) or any(t.has_pending_work() for t in self._tiers)
 
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Blocks (GIL released) until some job finished (its result then waits for
+        :meth:`get_finished_jobs`), nothing is in flight, or ``timeout_s`` passed. Not part of
+        vLLM's interface (vLLM polls once per step): for benchmarks and callers that block."""
+        if self._ready:
+            return
+        if self._single is not None:
+            tiers, slice_s = [(0, self._single)], timeout_s
+        else:
+            tiers, slice_s = list(enumerate(self._tiers)), 0.0005
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._ready and self.has_pending_work():
+            for i, tier in tiers:
+                for r in tier.wait(slice_s):
+                    done = self._merge(i, r)
+                    if done is not None:
+                        self._ready.append(done)
+                if self._ready:
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
     def drain_jobs(self) -> None:
         """Blocks (GIL released) until no I/O of any submitted job touches the primary view;
         in-flight reads and writes finish, none is aborted. Results stay for

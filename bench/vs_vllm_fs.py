@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""PyKVTier against vLLM's own fs tier (FileSystemTierManager), side by side in one run.
+
+Both tiers are made by vLLM's SecondaryTierFactory from config (``{"type": "PyKVTier",
+"module_path": "pykvtier.integrations.vllm", ...}`` and ``{"type": "fs", ...}``) over the same
+primary view — a vLLM ``SharedOffloadRegion`` (the /dev/shm mapping vLLM hands its secondary
+tiers) — and driven through the SecondaryTierManager interface with the same block set and the
+same job mix:
+
+1. stores: every block of the set (default 1 GiB) in jobs of 32 blocks, 8 jobs in flight;
+2. cold loads: the whole set again (random order, same for both), in jobs of 1, 32 and 128
+   blocks, ``--inflight`` jobs submitted together as in one scheduler step (fewer when the step
+   would pass ``--step-bytes``), repeated until each configuration has ``--min-jobs`` jobs.
+
+Cold: both tiers use O_DIRECT (PyKVTier: its probe; vLLM's fs tier: its own probe_o_direct),
+and before every load phase of every tier the page cache is dropped
+(``sync; echo 3 > /proc/sys/vm/drop_caches``, if writable): data and metadata (inodes,
+dentries) are cold for both; both open each file inside the measured phase.
+
+Measured per tier and configuration: GB/s (10^9 B/s, payload bytes / wall time of the phase),
+CPU-s/GiB (getrusage(RUSAGE_SELF) user+sys over the phase: every thread of the process, the
+scheduler thread's own share included) and per-job latency p50/p99 (submit_load() to the
+moment its completion is observable; each tier is waited on through its own completion
+signal: PyKVTier.wait(), the fs tier's pool condition variable; no polling loop burns CPU).
+Every loaded block is compared with its source (outside the measured phases). Tiers alternate
+who goes first. Ratios are PyKVTier / vLLM fs; targets (from the issue): latency at 32 and 128
+blocks per job <= 0.5x, CPU-s/GiB <= 1/3, bandwidth >= 1x.
+
+Note: vLLM's fs tier uses its C extension (vllm.fs_io_C) when it imports; it links CUDA's
+torch libraries, so on a CPU-only machine the fs tier runs its pure-Python path
+(os.open/os.readv per block on its thread pool). The header line says which one ran.
+
+    python bench/vs_vllm_fs.py                                # 1 GiB per block size, ~3 min here
+    python bench/vs_vllm_fs.py --set-bytes 4G --dir /mnt/nvme/kvbench --json bench/out/vs_fs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import uuid
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # pykvtier.bench.sysutil when run from a checkout
+
+from pykvtier.bench.sysutil import ColdCache, default_bench_dir, mount_of, rusage_cpu  # noqa: E402
+
+GiB = 1 << 30
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= (1 << shift) and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+# ----------------------------------------------------------------------------- vLLM objects
+
+
+def make_spec(block: int, root_cfgs: list[dict]):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+        OffloadingParallelConfig)
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=block, enable_kv_cache_events=False,
+        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * block,
+                      "secondary_tiers": root_cfgs},
+        engine_id=f"pykvtier-bench-{uuid.uuid4().hex[:10]}",
+        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True))
+    return OffloadingSpecFactory.create_spec(cfg)
+
+
+class Tier:
+    """One tier under test, with a way to block until one of its jobs finished."""
+
+    def __init__(self, name: str, mgr, wait):
+        self.name, self.mgr, self._wait = name, mgr, wait
+
+    def run_step(self, jobs, is_load: bool) -> list[float]:
+        """Submits the jobs together, waits for all; returns each job's latency (s)."""
+        submit = self.mgr.submit_load if is_load else self.mgr.submit_store
+        t0 = {}
+        for j in jobs:
+            t0[j.job_id] = time.perf_counter()
+            submit(j)
+        lat = {}
+        while len(lat) < len(jobs):
+            got = list(self.mgr.get_finished_jobs())
+            now = time.perf_counter()
+            for r in got:
+                if not r.success:
+                    raise SystemExit(f"{self.name}: job {r.job_id} failed")
+                lat[r.job_id] = now - t0[r.job_id]
+            if len(lat) < len(jobs) and not got:
+                self._wait()
+        return [lat[j.job_id] for j in jobs]
+
+
+def fs_waiter(fs):
+    pool = fs._pool  # vLLM's DualQueueThreadPool: notify_all on its condition at each job end
+    cond = pool._condition
+
+    def wait():
+        with cond:
+            cond.wait_for(lambda: pool._finished_q or pool._inflight_jobs == 0, timeout=1.0)
+    return wait
+
+
+def fs_backend() -> str:
+    from vllm.v1.kv_offload.tiering.fs import io as fsio
+    return "C extension vllm.fs_io_C" if fsio._HAS_FSIO_C else \
+        "pure Python (vllm.fs_io_C not importable here: it links CUDA torch)"
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_block_size(args, block: int, cold: ColdCache, rng) -> list[dict]:
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    nblocks = args.set_bytes // block
+    step_rows = {J: max(1, min(args.inflight, args.step_bytes // (J * block))) * J
+                 for J in args.job_blocks}
+    rows = max(max(step_rows.values()), args.store_job * args.inflight)
+    root = os.path.join(args.dir, fmt_size(block))
+    shutil.rmtree(root, ignore_errors=True)
+    ours_cfg = {"type": "PyKVTier", "module_path": "pykvtier.integrations.vllm",
+                "root_dir": os.path.join(root, "pykvtier"), "queue_depth": args.queue_depth,
+                "max_inflight_bytes": max(args.queue_depth * block, 64 << 20)}
+    fs_cfg = {"type": "fs", "root_dir": os.path.join(root, "vllm-fs")}
+    spec = make_spec(block, [ours_cfg, fs_cfg])
+    region = SharedOffloadRegion(engine_id=f"pykvtier-bench-{uuid.uuid4().hex[:10]}",
+                                 num_chunks=rows, rank=None, kv_bytes_per_chunk=block,
+                                 cpu_page_size=block)
+    view = region.create_kv_memoryview()
+    ours = SecondaryTierFactory.create_secondary_tier(dict(ours_cfg), view, spec)
+    fs = SecondaryTierFactory.create_secondary_tier(dict(fs_cfg), view, spec)
+    tiers = [Tier("pykvtier", ours, lambda: ours.wait(1.0)), Tier("vllm-fs", fs, fs_waiter(fs))]
+    info = {"pykvtier_engine": ours.engine_name, "pykvtier_direct": ours.direct,
+            "vllm_fs_direct": fs._use_o_direct}
+    ctx = ReqContext("bench")
+    keys = [make_offload_key(rng.bytes(32), 0) for _ in range(nblocks)]
+    src = rng.integers(0, 256, (rows, block), dtype=np.uint8)
+    prim = np.asarray(view).view(np.uint8)
+    next_id = [0]
+
+    def jobs_for(idx, J, promotion):
+        out = []
+        for n, s in enumerate(range(0, len(idx), J)):
+            part = idx[s:s + J]
+            out.append(TransferJob(job_id=next_id[0], keys=[keys[i] for i in part],
+                                   chunk_ids=np.arange(n * J, n * J + len(part), dtype=np.int32),
+                                   is_promotion=promotion, req_context=ctx))
+            next_id[0] += 1
+        return out
+
+    results = []
+    try:
+        # Stores: block i's bytes are src[i % rows]; a step stores the rows it names.
+        order = list(range(nblocks))
+        store_steps = []
+        per_step = args.store_job * args.inflight
+        for s in range(0, nblocks, per_step):
+            store_steps.append(order[s:s + per_step])
+        for t in tiers if rng.random() < 0.5 else tiers[::-1]:
+            steps = []
+            for idx in store_steps:
+                js = jobs_for(idx, args.store_job, False)
+                steps.append(js)
+            # the rows of step k: job n's row r holds key idx[n*J + r] -> src[key % rows]
+            lats, wall, cpu = [], 0.0, 0.0
+            for idx, js in zip(store_steps, steps):
+                for n, j in enumerate(js):
+                    for r, k in enumerate(idx[n * args.store_job:(n + 1) * args.store_job]):
+                        prim[n * args.store_job + r] = src[k % rows]
+                os.sync()
+                c0, w0 = rusage_cpu(0), time.perf_counter()
+                lats += t.run_step(js, False)
+                wall += time.perf_counter() - w0
+                cpu += rusage_cpu(0) - c0
+            nbytes = nblocks * block
+            results.append({"phase": "store", "block": block, "job_blocks": args.store_job,
+                            "inflight": args.inflight, "tier": t.name,
+                            "gbps": nbytes / wall / 1e9, "cpu_s_per_gib": cpu / (nbytes / GiB),
+                            "p50_ms": pct(lats, 0.5) * 1e3, "p99_ms": pct(lats, 0.99) * 1e3,
+                            "jobs": len(lats), "bytes": nbytes, **info})
+            print(f"  stored {fmt_size(nblocks * block)} as {fmt_size(block)} blocks with "
+                  f"{t.name}", flush=True)
+
+        # Cold loads.
+        for J in args.job_blocks:
+            inflight = step_rows[J] // J
+            per_pass = max(1, nblocks // J)
+            passes = max(1, math.ceil(args.min_jobs / per_pass))
+            perm = [int(x) for x in rng.permutation(nblocks)]
+            idx_all = (perm * passes)[: max(per_pass, args.min_jobs) * J]
+            steps_idx = [idx_all[s:s + inflight * J] for s in range(0, len(idx_all), inflight * J)]
+            for t in tiers if rng.random() < 0.5 else tiers[::-1]:
+                steps = [jobs_for(idx, J, True) for idx in steps_idx]
+                cold.drop()
+                lats, wall, cpu, bad = [], 0.0, 0.0, 0
+                for idx, js in zip(steps_idx, steps):
+                    prim[: len(idx)] = 0
+                    c0, w0 = rusage_cpu(0), time.perf_counter()
+                    lats += t.run_step(js, True)
+                    wall += time.perf_counter() - w0
+                    cpu += rusage_cpu(0) - c0
+                    for r, k in enumerate(idx):  # outside the measured region
+                        if not np.array_equal(prim[r], src[k % rows]):
+                            bad += 1
+                if bad:
+                    raise SystemExit(f"{t.name}: {bad} blocks loaded with wrong bytes")
+                nbytes = len(idx_all) * block
+                results.append({"phase": "load", "block": block, "job_blocks": J,
+                                "inflight": inflight, "tier": t.name,
+                                "gbps": nbytes / wall / 1e9,
+                                "cpu_s_per_gib": cpu / (nbytes / GiB),
+                                "p50_ms": pct(lats, 0.5) * 1e3, "p99_ms": pct(lats, 0.99) * 1e3,
+                                "jobs": len(lats), "bytes": nbytes, "verified_blocks":
+                                len(idx_all), **info})
+                print(f"  loaded {len(idx_all)} x {fmt_size(block)} in {J}-block jobs "
+                      f"({inflight} in flight) with {t.name}: "
+                      f"{results[-1]['gbps']:.2f} GB/s", flush=True)
+    finally:
+        del prim
+        ours.shutdown()
+        fs.shutdown()
+        view.release()
+        region.cleanup()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    hdr = (f"{'phase':5} {'block':>6} {'blk/job':>7} {'inflt':>5} {'tier':9} {'GB/s':>7} "
+           f"{'CPU-s/GiB':>9} {'p50 ms':>8} {'p99 ms':>8} {'jobs':>5}")
+    lines += [hdr, "-" * len(hdr)]
+    key = lambda r: (r["phase"] != "store", r["block"], r["job_blocks"])  # noqa: E731
+    groups: dict = {}
+    for r in results:
+        groups.setdefault(key(r), {})[r["tier"]] = r
+    for k in sorted(groups):
+        g = groups[k]
+        for name in ("pykvtier", "vllm-fs"):
+            r = g.get(name)
+            if r is None:
+                continue
+            lines.append(f"{r['phase']:5} {fmt_size(r['block']):>6} {r['job_blocks']:>7} "
+                         f"{r['inflight']:>5} {name:9} {r['gbps']:7.2f} "
+                         f"{r['cpu_s_per_gib']:9.3f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
+                         f"{r['jobs']:>5}")
+        if len(g) == 2:
+            a, b = g["pykvtier"], g["vllm-fs"]
+            lines.append(f"{'':5} {'':>6} {'':>7} {'':>5} {'ratio':9} "
+                         f"{a['gbps'] / b['gbps']:6.2f}x {a['cpu_s_per_gib'] / b['cpu_s_per_gib']:8.2f}x "
+                         f"{a['p50_ms'] / b['p50_ms']:7.2f}x {a['p99_ms'] / b['p99_ms']:7.2f}x")
+    return "\n".join(lines)
+
+
+def verdict(results: list[dict]) -> list[str]:
+    out = []
+    pairs: dict = {}
+    for r in results:
+        if r["phase"] == "load":
+            pairs.setdefault((r["block"], r["job_blocks"]), {})[r["tier"]] = r
+    for (block, J), g in sorted(pairs.items()):
+        if len(g) != 2:
+            continue
+        a, b = g["pykvtier"], g["vllm-fs"]
+        checks = [("GB/s >= 1x", a["gbps"] / b["gbps"], lambda x: x >= 1.0),
+                  ("CPU-s/GiB <= 1/3", a["cpu_s_per_gib"] / b["cpu_s_per_gib"],
+                   lambda x: x <= 1 / 3)]
+        if J >= 32:
+            checks += [("p50 <= 0.5x", a["p50_ms"] / b["p50_ms"], lambda x: x <= 0.5),
+                       ("p99 <= 0.5x", a["p99_ms"] / b["p99_ms"], lambda x: x <= 0.5)]
+        out.append(f"{fmt_size(block)} x {J}: " + ", ".join(
+            f"{name} {v:.2f} {'MET' if ok(v) else 'MISSED'}" for name, v, ok in checks))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="bench directory on the disk under test "
+                   "(default /var/tmp/pykvtier-vs-vllm-fs; a tmpfs is refused)")
+    p.add_argument("--set-bytes", default="1G", help="block set per block size (default 1G)")
+    p.add_argument("--block-sizes", default="256K,2M")
+    p.add_argument("--job-blocks", default="1,32,128", help="blocks per load job")
+    p.add_argument("--inflight", type=int, default=8, help="jobs submitted together (a step)")
+    p.add_argument("--step-bytes", default="1G", help="cap on the bytes of one step's jobs")
+    p.add_argument("--store-job", type=int, default=32, help="blocks per store job")
+    p.add_argument("--min-jobs", type=int, default=32, help="load jobs per configuration at least")
+    p.add_argument("--queue-depth", type=int, default=64, help="PyKVTier queue_depth")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-drop-caches", action="store_true")
+    p.add_argument("--keep", action="store_true", help="keep the block files")
+    p.add_argument("--json", default=None, help="write the results here too")
+    args = p.parse_args()
+    args.dir = args.dir or default_bench_dir("pykvtier-vs-vllm-fs")
+    args.set_bytes = parse_size(args.set_bytes)
+    args.step_bytes = parse_size(args.step_bytes)
+    args.job_blocks = [int(x) for x in args.job_blocks.split(",")]
+    blocks = [parse_size(x) for x in args.block_sizes.split(",")]
+    mnt = mount_of(args.dir if os.path.exists(args.dir) else os.path.dirname(args.dir))
+    if mnt[1] in ("tmpfs", "ramfs"):
+        raise SystemExit(f"{args.dir} is on {mnt[1]}: no O_DIRECT, never cold; use a disk")
+    os.makedirs(args.dir, exist_ok=True)
+
+    import logging
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    import vllm  # noqa: F401  (import cost outside any measurement)
+
+    cold = ColdCache(enabled=not args.no_drop_caches)
+    rng = np.random.default_rng(args.seed)
+    print(f"vs_vllm_fs: vLLM {vllm.__version__}; fs tier I/O: {fs_backend()}; dir {args.dir} "
+          f"({mnt[1]} on {mnt[2]}); {os.cpu_count()} CPUs")
+    cold_s = ("O_DIRECT for both tiers" +
+              (" + page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before every "
+               "load phase of every tier: data and metadata cold" if cold.works else
+               f"; page cache NOT dropped ({cold.reason})"))
+    print(f"cold loads: {cold_s}")
+    t0 = time.perf_counter()
+    results = []
+    for b in blocks:
+        print(f"{fmt_size(b)} blocks, {fmt_size(args.set_bytes)} set:", flush=True)
+        results += run_block_size(args, b, cold, rng)
+    info = {k: results[0][k] for k in ("pykvtier_engine", "pykvtier_direct", "vllm_fs_direct")}
+    print(f"\nPyKVTier engine {info['pykvtier_engine']}, O_DIRECT {info['pykvtier_direct']}; "
+          f"vLLM fs O_DIRECT {info['vllm_fs_direct']}; {time.perf_counter() - t0:.0f} s\n")
+    print(table(results))
+    print("\ntargets (loads; ratios PyKVTier / vLLM fs):")
+    for line in verdict(results):
+        print("  " + line)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"cold": cold_s, "fs_backend": fs_backend(), "results": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
