@@ -294,7 +294,9 @@ class TorchCopier:
         self._host_base = 0
 
     def alloc_host(self, nbytes: int) -> tuple[int, Any]:
-        t = self._torch.empty(nbytes + 4096, dtype=self._torch.uint8, pin_memory=True)
+        t = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        if t.data_ptr() % 4096:  # cudaHostAlloc memory is page-aligned; be sure anyway
+            t = self._torch.empty(nbytes + 4096, dtype=self._torch.uint8, pin_memory=True)
         self._host, self._host_base = t, int(t.data_ptr())
         return self._host_base + (-self._host_base) % 4096, t
 
