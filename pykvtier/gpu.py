@@ -201,9 +201,12 @@ def gds_status(root: str | os.PathLike | None = None, refresh: bool = False,
         st["cuda_error"] = rt.get("cuda_error") or None
         if root is not None and st["cuda_devices"]:
             key = os.fspath(root)
-            if refresh or key not in _root_probes:
-                _root_probes[key] = dict(module.probe_file(key))
-            st["root_probe"] = _root_probes[key]
+            probe = _root_probes.get(key)
+            if refresh or probe is None:
+                probe = dict(module.probe_file(key))
+                if os.path.isdir(key):  # (a missing folder is probed again once it exists)
+                    _root_probes[key] = probe
+            st["root_probe"] = probe
     st["usable"], st["reason"] = _gds_verdict(st, root)
     return st
 

@@ -7,6 +7,9 @@ request's job reads it, later ones wait for it and get the slot it lands in, and
 it answers HIT_PENDING until it has landed. A block whose load failed is MISS from then on (the
 tier remembers the failure), so an engine recomputes it instead of retrying forever.
 
+Slots are the tier's arena's: host memory, or GPU memory when the arena is a CUDA tensor (the
+loads then land in device slots by the tier's device path, see :mod:`pykvtier.gpu`).
+
 Thread rules: as :class:`~pykvtier.tier.DiskTier` (one thread at a time).
 """
 

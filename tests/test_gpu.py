@@ -124,8 +124,8 @@ def test_device_partial_failure(root, path):
 
 
 def test_fallback_selection_matches_the_status(root, caplog):
-    st = gpu.gds_status(os.path.join(root, "blocks"))
     with caplog.at_level(logging.INFO, logger="pykvtier"), DiskTier(root, BS) as tier:
+        st = gpu.gds_status(tier.layout.blocks_dir)
         host = tier.engine_name
         tier.set_arena(device_arena(2))
         want = gpu.choose_path(gpu.gds_status(tier.layout.blocks_dir), "auto", host)

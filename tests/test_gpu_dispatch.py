@@ -132,6 +132,12 @@ def test_status_maps_the_engine_report(monkeypatch, tmp_path):
         "built": True, "device_verify_built": True, "reason": "built against kvikio 26.10.0",
         "kvikio_version": "26.10.0"})
     fake = FakeGdsModule()
+    gpu.gds_status(tmp_path / "a", loader=lambda refresh: (fake, "loaded"))
+    (tmp_path / "a").mkdir()  # a folder probed before it existed is probed again
+    (tmp_path / "b").mkdir()
+    st = gpu.gds_status(tmp_path / "a", loader=lambda refresh: (fake, "loaded"))
+    assert fake.probed == [str(tmp_path / "a")] * 2
+    fake.probed.clear()
     st = gpu.gds_status(tmp_path / "a", refresh=True, loader=lambda refresh: (fake, "loaded"))
     assert st["usable"] and st["root_probe"]["compat"] is False and st["nvfs_version"] == "2.26"
     assert fake.probed == [str(tmp_path / "a")]
