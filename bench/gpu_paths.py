@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     prep_s = time.perf_counter() - t0
 
     results: dict[str, list[dict]] = {p: [] for p in runnable}
+    meta = {"status": status, "skipped": skipped, "direct": direct, "prep_s": prep_s}
     exact: dict[str, bool] = {}
     cold = ""
     arena_dev = env.device_arena(args.blocks, bs)
@@ -307,9 +308,19 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     arena_dev.zero_()
             print(f"round {rnd} {p:14s} {r['gb_s']:7.2f} GB/s  failed {r['failed']}  ({r['engine']})", flush=True)
+            write_report(args, bs, results, exact, cold, meta, final=False)
+    return write_report(args, bs, results, exact, cold, meta, final=True)
 
+
+def write_report(args: Any, bs: int, results: dict[str, list[dict]], exact: dict[str, bool], cold: str,
+                 meta: dict, final: bool) -> int:
+    """Writes OUT/gpu_bench.json and .txt from the runs so far (after every run: a timeout keeps
+    what was measured); prints the table when final. Returns the exit status."""
+    status, skipped, direct, prep_s = meta["status"], meta["skipped"], meta["direct"], meta["prep_s"]
     summary: dict[str, Any] = {}
     for p, rs in results.items():
+        if not rs:
+            continue
         gbs = [r["gb_s"] for r in rs]
         lat = [x for r in rs for x in r["job_latency_s"]]
         summary[p] = {"gb_s_median": statistics.median(gbs), "gb_s_rounds": gbs,
@@ -341,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "paths": summary,
         "rounds": results,
         "verdict": verdict,
+        "complete": final,
     }
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
@@ -362,10 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     if verdict:
         lines += ["", f"target: {verdict['auto_path']} >= 0.95x kvikio CuFile.pread: {verdict['ratio']:.2f}x "
                       f"({'met' if verdict['met'] else 'NOT met'})"]
+    if not final:
+        lines.append("(incomplete: written after every run)")
     text = "\n".join(lines)
     with open(os.path.join(args.out, "gpu_bench.txt"), "w") as f:
         f.write(text + "\n")
-    print(text)
+    if final:
+        print(text)
     bad = [p for p, s in summary.items() if s["byte_exact"] is False or s["failed"]]
     return 1 if bad else 0
 

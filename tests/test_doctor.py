@@ -79,3 +79,32 @@ def test_missing_root_probes_its_parent_and_no_gpu(tmp_path, capsys):
     assert f"{missing} (missing; probed {tmp_path})" in out
     assert "not probed (--no-gpu)" in out
     assert not missing.exists()
+
+
+def test_text_for_other_machines(report):
+    """The text for a machine without io_uring, and for a GPU machine with GDS (synthetic reports)."""
+    import copy
+
+    _, rep = report
+    r = copy.deepcopy(rep)
+    r["io_uring"] = {"available": False, "error": "io_uring_setup: EPERM: Operation not permitted",
+                     "io_uring_disabled_sysctl": "2", "engine": "posix",
+                     "engine_reason": "io_uring unavailable: the posix engine (preadv/pwritev threads) is used instead"}
+    r["root"]["o_direct"] = {"direct": False, "reason": "open(O_DIRECT) failed: Invalid argument"}
+    r["gpu"].update(devices=[{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "memory_bytes": 150 << 30}],
+                    driver_version="580.159.04", torch="2.11.0+cu130", torch_cuda="13.0")
+    r["gds"].update(built=True, importable=True, build_reason="built against kvikio 26.10.0",
+                    import_reason="loaded", kvikio_version="26.10.0", cufile_library=True, cufile_version=1190,
+                    gds_available=True, nvfs_version="2.26", compat_mode_default="AUTO", usable=True,
+                    reason="GPUDirect Storage usable (nvidia-fs 2.26, cuFile 1190, kvikio 26.10.0)",
+                    root_probe={"opened": True, "compat": False, "reason": "cuFile registered the file: GDS I/O"},
+                    notes=[], cuda_devices=1)
+    r["paths"] = {"host_engine": "posix", "host_io": "buffered I/O (open(O_DIRECT) failed)",
+                  "host": "posix engine, buffered I/O (open(O_DIRECT) failed)",
+                  "device": {"path": "gds", "reason": r["gds"]["reason"], "fallback": False, "gpu_present": True}}
+    text = doctor.format_text(r)
+    assert "io_uring        unavailable: io_uring_setup: EPERM" in text and "kernel.io_uring_disabled=2" in text
+    assert "O_DIRECT        no: open(O_DIRECT) failed" in text
+    assert "cuda:0 NVIDIA H200 (sm 9.0, 150.0 GiB)" in text and "driver 580.159.04" in text
+    assert "cuFile / GDS    usable: GPUDirect Storage usable" in text and "at the root: cuFile registered" in text
+    assert "GPU arenas: gds path: GPUDirect Storage usable" in text
