@@ -413,3 +413,33 @@ def test_xxh3_lane_formulation_matches_xxhash():
         assert _native._xxh3_lanes(b) == _native.xxh3_64(b), n
     with pytest.raises(ValueError):
         _native._xxh3_lanes(b[:240])
+
+
+def test_gds_engine_plumbing_without_a_gpu(tmp_path):
+    """Where pykvtier._gds was built (kvikio at build time) it loads and works as an engine even
+    on a machine without a GPU: status, job queue, unlinks, refusing host addresses."""
+    mod, reason = gpu.load_gds_module()
+    if mod is None:
+        pytest.skip(f"gds engine unavailable: {reason}")
+    st = mod.status()
+    assert {"kvikio_version", "cufile_library", "cufile_available", "gds_available", "cuda_devices",
+            "compat_mode_default", "notes"} <= set(st)
+    for bad in (dict(verify="fast"), dict(compat="maybe"), dict(io_threads=0)):
+        with pytest.raises(ValueError):
+            mod.GdsEngine(**bad)
+    eng = mod.GdsEngine(io_threads=2, compat="on", verify="host")
+    assert (eng.io_threads, eng.compat, eng.verify) == (2, "on", "host")
+    f = tmp_path / "x"
+    f.write_bytes(b"1")
+    eng.submit(5, "unlink", [str(f), str(tmp_path / "missing")])
+    eng.drain()
+    (jid, op, results, *_), = eng.poll()
+    assert (jid, op, results) == (5, "unlink", [0, -errno.ENOENT]) and not f.exists()
+    host = np.zeros(BS, np.uint8)
+    with pytest.raises(ValueError, match="entry 0"):
+        eng.submit(6, "read_block", [(str(f), BS, int(host.ctypes.data), key_digest(b"x"))])
+    with pytest.raises(ValueError, match="unknown op"):
+        eng.submit(7, "scan", [])
+    s = eng.stats()
+    assert s["jobs_finished"] == 1 and s["requests_failed"] == 1 and {"submits", "fixed_buffer_ios"} <= set(s)
+    eng.shutdown()
