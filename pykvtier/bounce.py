@@ -38,14 +38,17 @@ class Copier(Protocol):
 
     ``alloc_host(nbytes)`` -> (address, owner): page-aligned pinned host memory kept alive by owner.
     ``fence()`` -> a marker of the work queued so far on the caller's current stream (stores copy
-    only after it), or None. ``h2d`` / ``d2h`` (dst, src, nbytes[, after]) -> a token; ``done(token)``
-    never blocks; ``wait(token)`` blocks (releasing the GIL) until that copy finished.
+    only after it), or None. ``h2d`` / ``d2h`` (dst, src, nbytes[, after][, mark]) -> a token;
+    ``done(token)`` never blocks; ``wait(token)`` blocks (releasing the GIL) until that copy
+    finished. Copies complete in the order they were issued; with ``mark=False`` the copier may
+    return None (no marker: a later marked copy covers it), and ``done(None)`` / ``wait(None)``
+    must then be True / return at once.
     """
 
     def alloc_host(self, nbytes: int) -> tuple[int, Any]: ...
     def fence(self) -> Any: ...
-    def h2d(self, dst: int, src: int, nbytes: int) -> Any: ...
-    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None) -> Any: ...
+    def h2d(self, dst: int, src: int, nbytes: int, mark: bool = True) -> Any: ...
+    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None, mark: bool = True) -> Any: ...
     def done(self, token: Any) -> bool: ...
     def wait(self, token: Any) -> None: ...
 
@@ -76,10 +79,10 @@ class HostCopier:
         self.bytes += nbytes
         return self.copies
 
-    def h2d(self, dst: int, src: int, nbytes: int) -> Any:
+    def h2d(self, dst: int, src: int, nbytes: int, mark: bool = True) -> Any:
         return self._copy(dst, src, nbytes)
 
-    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None) -> Any:
+    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None, mark: bool = True) -> Any:
         return self._copy(dst, src, nbytes)
 
     def done(self, token: Any) -> bool:
@@ -294,8 +297,10 @@ class BounceEngine:
                     # device -> pinned first; the write is submitted once the copies landed
                     c.host_results = []
                     try:
+                        last = len(c.idx) - 1  # one marker per chunk: the copies complete in order
                         c.tokens = [self.copier.d2h(self._slot_addr(s), p.entries[i][3], p.entries[i][2],
-                                                    p.fence) for i, s in zip(c.idx, c.slots)]
+                                                    p.fence if k == 0 else None, mark=k == last)
+                                    for k, (i, s) in enumerate(zip(c.idx, c.slots))]
                         self._stats["d2h_copies"] += len(c.idx)
                     except Exception as exc:  # a failed copy fails the chunk's keys
                         self._copy_failed(c, exc)
@@ -349,10 +354,11 @@ class BounceEngine:
         c.host_results = list(results)
         c.tokens = []
         try:
-            for i, s, r in zip(c.idx, c.slots, results):
-                if r >= 0:
-                    c.tokens.append(self.copier.h2d(p.entries[i][2], self._slot_addr(s), p.entries[i][1]))
-                    self._stats["h2d_copies"] += 1
+            good = [(i, s) for i, s, r in zip(c.idx, c.slots, results) if r >= 0]
+            for k, (i, s) in enumerate(good):  # one marker per chunk: the copies complete in order
+                c.tokens.append(self.copier.h2d(p.entries[i][2], self._slot_addr(s), p.entries[i][1],
+                                                mark=k == len(good) - 1))
+                self._stats["h2d_copies"] += 1
         except Exception as exc:
             self._copy_failed(c, exc)
             return

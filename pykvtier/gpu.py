@@ -280,7 +280,7 @@ class GdsPathEngine:
 
 class TorchCopier:
     """The bounce path's copier (see :class:`pykvtier.bounce.Copier`) for a CUDA torch tensor:
-    copies on a side stream of the tensor's device, one CUDA event per copy."""
+    copies on a side stream of the tensor's device, one CUDA event per marked copy (per chunk)."""
 
     def __init__(self, device_tensor: Any) -> None:
         import torch
@@ -314,29 +314,33 @@ class TorchCopier:
         ev.record(self._torch.cuda.current_stream(self.device))
         return ev
 
-    def h2d(self, dst: int, src: int, nbytes: int) -> Any:
+    def _marked(self, mark: bool) -> Any:
+        if not mark:
+            return None
+        ev = self._torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def h2d(self, dst: int, src: int, nbytes: int, mark: bool = True) -> Any:
         dev, host = self._views(dst, src, nbytes)
         with self._torch.cuda.stream(self.stream):
             dev.copy_(host, non_blocking=True)
-            ev = self._torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
+            return self._marked(mark)
 
-    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None) -> Any:
+    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None, mark: bool = True) -> Any:
         dev, host = self._views(src, dst, nbytes)
         with self._torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
             host.copy_(dev, non_blocking=True)
-            ev = self._torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
+            return self._marked(mark)
 
     def done(self, token: Any) -> bool:
-        return bool(token.query())
+        return token is None or bool(token.query())
 
     def wait(self, token: Any) -> None:
-        token.synchronize()
+        if token is not None:
+            token.synchronize()
 
 
 @dataclass

@@ -203,6 +203,68 @@ def test_bounce_engine_round_trip_more_blocks_than_slots(root, host, aligned):
     eng.shutdown()
 
 
+class DeferredCopier(HostCopier):
+    """Copies run only when a marker is waited for or found done (as on a CUDA stream, in order):
+    the engine must not report a job before its chunk's marked copy completed."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending, self.next, self.markers, self.polls = [], 0, 0, 0
+
+    def _flush(self, token):
+        while self.pending and self.pending[0][0] <= token:
+            _, dst, src, n = self.pending.pop(0)
+            self._copy(dst, src, n)
+
+    def h2d(self, dst, src, nbytes, mark=True):
+        self.next += 1
+        self.pending.append((self.next, dst, src, nbytes))
+        if mark:
+            self.markers += 1
+            return self.next
+        return None
+
+    def d2h(self, dst, src, nbytes, after=None, mark=True):
+        return self.h2d(dst, src, nbytes, mark)
+
+    def done(self, token):
+        if token is None:
+            return True
+        self.polls += 1
+        if self.polls % 2:  # "still running" every other time: the engine must wait
+            return False
+        self._flush(token)
+        return True
+
+    def wait(self, token):
+        if token is not None:
+            self._flush(token)
+
+
+def test_bounce_engine_waits_for_each_chunks_marked_copy(root, aligned):
+    n = 10
+    paths, digests, data = write_blocks(root, n, seed=4)
+    copier = DeferredCopier()
+    eng = BounceEngine(_native.Engine(queue_depth=8), copier, BS, bounce_slots=6, chunk_blocks=3)
+    dev = aligned(n * BS).reshape(n, BS)
+    res = eng.run("read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)],
+                  direct=False)
+    assert res == [BS] * n and np.array_equal(dev, data)
+    assert copier.markers == 4 and copier.copies == n and not copier.pending  # one marker per chunk
+    dev2 = aligned(2 * BS, fill=11).reshape(2, BS)
+    out = [os.path.join(root, f"w{i}") for i in range(2)]
+    dg = [key_digest(b"w0"), key_digest(b"w1")]
+    assert eng.run("write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
+                                   for i in range(2)], direct=False) == [BS, BS]
+    back = aligned(2 * BS).reshape(2, BS)
+    h = _native.Engine(queue_depth=4)
+    assert h.run("read_block", [(out[i], BS, int(back[i].ctypes.data), dg[i]) for i in range(2)],
+                 direct=False) == [BS, BS]
+    assert np.array_equal(back, dev2)
+    h.shutdown()
+    eng.shutdown()
+
+
 def test_bounce_engine_partial_failure_and_copy_failure(root, aligned):
     paths, digests, data = write_blocks(root, 4, seed=3)
     with open(paths[2], "r+b") as f:  # corrupt one payload byte
