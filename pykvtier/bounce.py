@@ -392,7 +392,14 @@ class BounceEngine:
                     self._on_host_done(hid, results)
                 progressed = True
             with self._mu:
-                while self._copying and all(self.copier.done(t) for t in self._copying[0].tokens):
+                while self._copying:
+                    try:
+                        if not all(self.copier.done(t) for t in self._copying[0].tokens):
+                            break
+                    except Exception as exc:  # a failed copy (CUDA error): its chunk's keys fail
+                        self._copy_failed(self._copying.popleft(), exc)
+                        progressed = True
+                        continue
                     self._copies_landed(self._copying.popleft())
                     progressed = True
                 if progressed:
@@ -408,7 +415,10 @@ class BounceEngine:
                     self._mu.wait()
                     continue
             if oldest is not None:
-                for t in oldest:  # a copy of the oldest chunk: short; the GIL is released
-                    self.copier.wait(t)
+                try:
+                    for t in oldest:  # the oldest chunk's copies: short; the GIL is released
+                        self.copier.wait(t)
+                except Exception:
+                    pass  # reported by done() on the next pass
             else:
                 host.wait(None)

@@ -265,6 +265,30 @@ def test_bounce_engine_waits_for_each_chunks_marked_copy(root, aligned):
     eng.shutdown()
 
 
+def test_bounce_engine_a_copy_that_fails_late(root, aligned):
+    """A copy whose error shows when it is polled (as a CUDA error would): its chunk's keys fail."""
+    paths, digests, data = write_blocks(root, 4, seed=6)
+
+    class Late(DeferredCopier):
+        def done(self, token):
+            if token == 2:  # the first chunk's marker
+                raise RuntimeError("an illegal memory access was encountered (injected)")
+            return super().done(token)
+
+        def wait(self, token):
+            if token == 2:
+                raise RuntimeError("an illegal memory access was encountered (injected)")
+            super().wait(token)
+
+    eng = BounceEngine(_native.Engine(queue_depth=8), Late(), BS, bounce_slots=2, chunk_blocks=2)
+    dev = aligned(4 * BS).reshape(4, BS)
+    res = eng.run("read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)],
+                  direct=False)
+    assert res == [-errno.EIO, -errno.EIO, BS, BS] and np.array_equal(dev[2:], data[2:])
+    assert eng.stats()["bounce_copy_failures"] == 1 and eng.stats()["bounce_slots_free"] == 2
+    eng.shutdown()
+
+
 def test_bounce_engine_partial_failure_and_copy_failure(root, aligned):
     paths, digests, data = write_blocks(root, 4, seed=3)
     with open(paths[2], "r+b") as f:  # corrupt one payload byte
