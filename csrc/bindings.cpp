@@ -9,6 +9,7 @@
 #include <xxhash.h>
 
 #include "gds_build_info.hpp"
+#include "checksum.hpp"
 #include "uring_engine.hpp"
 #include "uring_probe.hpp"
 #include "xxh3_lanes.hpp"
@@ -155,6 +156,7 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "pykvtier's C++ data path: batched block I/O over io_uring (liburing).";
 
   m.attr("HEADER_BYTES") = kHeaderBytes;
+  m.attr("CHECKSUM_IMPL") = payload_xxh3_impl();
   m.attr("FORMAT_VERSION") = kFormatVersion;
   m.attr("MAGIC") = py::bytes(kMagic, sizeof(kMagic));
   m.attr("DIGEST_BYTES") = kDigestBytes;
@@ -170,7 +172,7 @@ PYBIND11_MODULE(_native, m) {
         py::buffer_info info = b.request();
         const size_t n = size_t(info.size) * size_t(info.itemsize);
         py::gil_scoped_release nogil;
-        return uint64_t(XXH3_64bits(info.ptr, n));
+        return payload_xxh3(info.ptr, n);
       },
       py::arg("buffer"), "XXH3-64 of a contiguous buffer (the block payload checksum).");
 

@@ -1,6 +1,8 @@
 // io_uring engine: see uring_engine.hpp.
 #include "uring_engine.hpp"
 
+#include "checksum.hpp"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -52,7 +54,7 @@ void fill_header(char* hdr, const Request& r) {
   h.header_bytes = uint32_t(kHeaderBytes);
   h.payload_bytes = r.length;
   std::memcpy(h.key_digest, r.digest, kDigestBytes);
-  h.payload_xxh3 = XXH3_64bits(reinterpret_cast<const void*>(r.addr), r.length);
+  h.payload_xxh3 = payload_xxh3(reinterpret_cast<const void*>(r.addr), r.length);
   h.header_xxh3 = XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3));
   std::memcpy(hdr, &h, sizeof(h));
 }
@@ -66,7 +68,7 @@ int64_t verify_block(const char* hdr, const Request& r) {
     return kErrBadHeader;
   if (std::memcmp(h.key_digest, r.digest, kDigestBytes) != 0) return kErrKeyMismatch;
   if (h.payload_bytes != r.length) return kErrLength;
-  if (h.payload_xxh3 != XXH3_64bits(reinterpret_cast<const void*>(r.addr), r.length))
+  if (h.payload_xxh3 != payload_xxh3(reinterpret_cast<const void*>(r.addr), r.length))
     return kErrChecksum;
   return 0;
 }

@@ -44,6 +44,10 @@ class LookupResult(enum.Enum):
     RETRY = 3
 
 
+_LOOKUP_COUNTER = {LookupResult.HIT: "hits", LookupResult.MISS: "misses",
+                   LookupResult.RETRY: "retries", LookupResult.HIT_PENDING: "hit_pending"}
+
+
 @dataclass
 class TransferJob:
     """A batch of keys moved together, as vLLM's ``TransferJob``.
@@ -376,8 +380,7 @@ class DiskTier:
             self._apply_probes()
         r = self._lookup_digest(digest)
         self._stats["lookups"] += 1
-        self._stats[{LookupResult.HIT: "hits", LookupResult.MISS: "misses",
-                     LookupResult.RETRY: "retries", LookupResult.HIT_PENDING: "hit_pending"}[r]] += 1
+        self._stats[_LOOKUP_COUNTER[r]] += 1
         return r
 
     def _lookup_digest(self, digest: bytes) -> LookupResult:

@@ -752,3 +752,12 @@ def test_loads_overtake_a_burst_of_stores(direct_root, aligned):
 def test_store_share_is_checked():
     with pytest.raises(ValueError, match="store_share"):
         Engine(store_share=0.0)
+
+
+@pytest.mark.parametrize("size", [0, 1, 240, 241, 4096, 1 * MiB + 17, 2 * MiB])
+def test_payload_checksum_is_xxh3_64(size):
+    """Our XXH3 (AVX2 build where the CPU has it) equals the xxhash package's, byte for byte."""
+    xxhash = pytest.importorskip("xxhash", reason="the xxhash package is a test extra")
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert _native.CHECKSUM_IMPL in ("avx2", "sse2")
+    assert _native.xxh3_64(data) == xxhash.xxh3_64_intdigest(data.tobytes())
