@@ -49,7 +49,10 @@ import uuid
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # pykvtier.bench.sysutil when run from a checkout
+try:  # the installed pykvtier; else the source tree above (an editable or in-place build)
+    import pykvtier  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(HERE))
 
 from pykvtier.bench.sysutil import ColdCache, default_bench_dir, mount_of, rusage_cpu  # noqa: E402
 
