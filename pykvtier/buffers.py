@@ -47,7 +47,7 @@ def _torch_region(obj: Any) -> tuple[int, int, bool] | None:
     return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), False
 
 
-def _buffer_region(obj: Any) -> tuple[int, int, bool]:
+def _buffer_region(obj: Any) -> tuple[int, int, bool, memoryview]:
     try:
         mv = memoryview(obj)
     except TypeError:
@@ -60,7 +60,7 @@ def _buffer_region(obj: Any) -> tuple[int, int, bool]:
     import numpy as np
 
     arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
-    return int(arr.ctypes.data), mv.nbytes, bool(mv.readonly)
+    return int(arr.ctypes.data), mv.nbytes, bool(mv.readonly), mv
 
 
 def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
@@ -74,7 +74,14 @@ def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
     if isinstance(obj, Arena):
         return obj
     region = _torch_region(obj)
-    addr, nbytes, readonly = region if region is not None else _buffer_region(obj)
+    if region is not None:
+        addr, nbytes, readonly = region
+        owner: Any = obj
+    else:
+        # Keep the memoryview export: it locks the buffer, so a bytearray cannot be resized
+        # nor an mmap closed under the engine (BufferError instead of a use after free).
+        addr, nbytes, readonly, export = _buffer_region(obj)
+        owner = (obj, export)
     device = str(obj.device) if region is not None else "cpu"
     if slot_bytes is None:
         if region is not None and hasattr(obj, "stride") and callable(obj.stride) and obj.dim() >= 2:
@@ -88,5 +95,5 @@ def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
     if nbytes < slot_bytes:
         raise ValueError(f"arena of {nbytes} bytes is smaller than one slot of {slot_bytes} bytes")
-    return Arena(addr=addr, nbytes=nbytes, slot_bytes=int(slot_bytes), readonly=readonly, owner=obj,
+    return Arena(addr=addr, nbytes=nbytes, slot_bytes=int(slot_bytes), readonly=readonly, owner=owner,
                  device=device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import struct
 import threading
 import time
@@ -198,8 +199,12 @@ class PosixEngine:
             return -(exc.errno or errno.EIO)
 
     def _read(self, path, offset, length, addr, digest, flags) -> int:
-        fd = os.open(path, os.O_RDONLY | flags)
+        # O_NONBLOCK: a FIFO put at a block's name must not hang the open (regular files ignore
+        # it); anything but a regular file is refused.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flags)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return -errno.EINVAL
             dst = _view(addr, length)
             if digest is None:
                 n = os.preadv(fd, [dst], offset)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import operator
 import os
 import time
 import weakref
@@ -134,6 +135,16 @@ def _make_engine(name: str, queue_depth: int, max_inflight_bytes: int) -> Any:
             raise
         logger.warning("pykvtier: %s; using the posix engine (preadv/pwritev thread pool)", exc)
         return PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+
+
+def _as_int(v: Any, what: str) -> int:
+    """An integer (int, numpy integer...), never a float, str or bool; TypeError otherwise."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be an integer, not bool")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(v).__name__}") from None
 
 
 def _as_key(key: Any) -> bytes:
@@ -284,9 +295,16 @@ class DiskTier:
                 for de in it:
                     digest = Layout.digest_from_name(de.name)
                     if digest is not None:
-                        st = de.stat()
-                        if st.st_size != self.file_bytes:
+                        try:
+                            st = de.stat(follow_symlinks=False) if de.is_file(
+                                follow_symlinks=False) else None
+                        except FileNotFoundError:  # removed meanwhile (a root shared with others)
+                            continue
+                        if st is None or st.st_size != self.file_bytes:
+                            # Not a block of this tier (another size, a directory, a link...):
+                            # moved out of the way, so that storing the key again works.
                             self._stats["blocks_of_other_size"] += 1
+                            self._quarantine(de.path, digest)
                             continue
                         found.append((st.st_mtime, digest))
                         continue
@@ -298,9 +316,10 @@ class DiskTier:
                         except FileNotFoundError:
                             pass
         if self._stats["blocks_of_other_size"]:
-            logger.warning("pykvtier: %d block files at %s have another size than %d bytes; "
-                           "left alone, not indexed", self._stats["blocks_of_other_size"],
-                           self.layout.root, self.file_bytes)
+            logger.warning("pykvtier: %d entries under %s are not %d-byte block files (another "
+                           "block size, or not regular files); moved to %s",
+                           self._stats["blocks_of_other_size"], self.layout.blocks_dir,
+                           self.file_bytes, self.layout.quarantine_dir)
         found.sort()
         for _, digest in found:
             self._index[digest] = _Entry(_State.PRESENT)
@@ -333,6 +352,8 @@ class DiskTier:
         Raises ValueError (naming address and alignment) for misaligned or read-only memory.
         Blocks until the engine has registered (pinned) the memory: a one-time cost.
         Call only while no job is in flight."""
+        if self._closed:
+            raise RuntimeError("DiskTier is shut down")
         if self._pending:
             raise RuntimeError("set_arena() while jobs are in flight")
         arena = as_arena(buffer, slot_bytes if slot_bytes is not None else self.block_size_bytes)
@@ -375,6 +396,8 @@ class DiskTier:
         """Is ``key``'s block here? Never blocks (microseconds); see :class:`LookupResult`.
         Semantics as DESIGN.md's table and vLLM's SecondaryTierManager.lookup, plus HIT_PENDING
         for a block whose load is in flight."""
+        if self._closed:
+            raise RuntimeError("DiskTier is shut down")
         digest = key_digest(_as_key(key))
         if self._probing:
             self._apply_probes()
@@ -410,7 +433,7 @@ class DiskTier:
     def on_step_end(self) -> None:
         """Once per scheduler step: submits the existence probes gathered since the last step
         (one batch of statx SQEs, one io_uring_submit) and applies finished ones."""
-        if self._probe is None:
+        if self._probe is None or self._closed:
             return
         if self._probing:
             self._apply_probes()
@@ -451,15 +474,17 @@ class DiskTier:
             raise RuntimeError("DiskTier is shut down")
         if self._arena is None:
             raise RuntimeError("no arena: call set_arena() first")
-        if job.job_id in self._job_ids:
-            raise ValueError(f"job_id {job.job_id} is already in flight")
+        job_id = _as_int(job.job_id, "job_id")
+        if job_id in self._job_ids:
+            raise ValueError(f"job_id {job_id} is already in flight")
         keys = [_as_key(k) for k in job.keys]
         if len(keys) != len(job.slot_ids):
-            raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(job.slot_ids)} slot_ids")
+            raise ValueError(f"job {job_id}: {len(keys)} keys but {len(job.slot_ids)} slot_ids")
         n = self._arena.num_slots
         for s in job.slot_ids:
-            if not 0 <= int(s) < n:
-                raise ValueError(f"job {job.job_id}: slot {int(s)} outside the arena (0..{n - 1})")
+            s = _as_int(s, f"job {job_id}: slot id")
+            if not 0 <= s < n:
+                raise ValueError(f"job {job_id}: slot {s} outside the arena (0..{n - 1})")
         return keys
 
     def submit_load(self, job: TransferJob) -> None:
@@ -674,13 +699,7 @@ class DiskTier:
         path = self.layout.block_path(digest)
         if res in _CORRUPT:
             self._stats["verify_failures"] += 1
-            try:
-                os.rename(path, self.layout.quarantine_path(digest, time.time_ns()))
-                self._stats["quarantined"] += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("pykvtier: cannot quarantine %s: %s", path, exc)
+            self._quarantine(path, digest)
             logger.warning("pykvtier: %s failed verification (%s); quarantined", path, _describe(res))
         else:
             logger.warning("pykvtier: loading %s failed: %s", path, _describe(res))
@@ -692,6 +711,16 @@ class DiskTier:
                 self._used_bytes -= self.file_bytes
                 self._unlink_async([digest])
         self._drop_failed(digest)
+
+    def _quarantine(self, path: str, digest: bytes) -> None:
+        """Moves a file that is not a valid block of this tier to the quarantine folder."""
+        try:
+            os.rename(path, self.layout.quarantine_path(digest, time.time_ns()))
+            self._stats["quarantined"] += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("pykvtier: cannot quarantine %s: %s", path, exc)
 
     def _drop_failed(self, digest: bytes) -> None:
         """Forgets a failed block once no load reads it any more."""
@@ -716,6 +745,8 @@ class DiskTier:
 
     def has_pending_work(self) -> bool:
         """True while jobs, evictions or probes are in flight or results wait to be collected."""
+        if self._closed:  # shutdown() drained everything; only uncollected results are left
+            return bool(self._ready or self._engine.pending_jobs())
         return bool(self._pending or self._evicting or self._ready or self._probing
                     or self._probe_wanted)
 

@@ -449,16 +449,29 @@ def test_restart_recovers_the_index(root, make_tier, arena):
     assert s["fixed_buffer_ios"] == 6 and s["direct"] == int(again.direct)
 
 
-def test_restart_ignores_blocks_of_another_size(root, make_tier, arena):
+def test_restart_quarantines_what_is_not_a_block_of_this_tier(root, make_tier, arena):
+    """Files of another block size, and entries that are not regular files, are moved out of
+    the way at start-up (kept in quarantine), so storing those keys again really stores them."""
     a = fill(arena(2, BS), 7)
     first = make_tier(root)
     first.set_arena(a)
     ok(store(first, 1, [b"a", b"b"], [0, 1]), 2 * BS)
+    os.mkdir(path_of(first, b"c"))                                  # a directory at a block name
+    os.symlink("/nonexistent", path_of(first, b"d"))                # a dangling link
     first.shutdown()
     other = make_tier(root, block_size_bytes=2 * BS)
-    assert other.num_blocks == 0 and other.stats()["blocks_of_other_size"] == 2
-    assert other.lookup(b"a") is MISS
-    assert len(block_files(other)) == 2  # left alone
+    assert other.num_blocks == 0 and other.stats()["blocks_of_other_size"] == 4
+    assert other.stats()["quarantined"] == 4
+    assert [other.lookup(k) for k in (b"a", b"b", b"c", b"d")] == [MISS] * 4
+    assert block_files(other) == []
+    assert len(os.listdir(other.layout.quarantine_dir)) == 4
+    b = fill(arena(4, 2 * BS), 9)
+    other.set_arena(b)
+    ok(store(other, 2, [b"a", b"c"], [0, 1]), 4 * BS)
+    want = b[:2].copy()
+    b[...] = 0
+    ok(load(other, 3, [b"a", b"c"], [2, 3]), 4 * BS)
+    assert np.array_equal(b[2:4], want)
 
 
 def test_stale_temporaries_removed_at_start(root, make_tier, arena):
@@ -832,3 +845,62 @@ def test_unaligned_block_size_falls_back_to_buffered(root, make_tier, caplog):
 def test_direct_true_where_o_direct_is_refused_is_an_error(root, refuses_o_direct):
     with pytest.raises(ValueError, match="refuses O_DIRECT"):
         DiskTier(root, BS, direct=True)
+
+
+def test_arena_memory_cannot_be_freed_under_the_tier(root, make_tier):
+    """The tier keeps a buffer export of its arena: resizing a bytearray or closing an mmap that
+    the engine reads and writes by address raises instead of leaving a dangling address."""
+    import mmap
+
+    tier = make_tier(root, direct=False)
+    ba = bytearray(4 * BS)
+    tier.set_arena(ba)
+    with pytest.raises(BufferError):
+        ba.extend(b"\0" * BS)
+    m = mmap.mmap(-1, 4 * BS)
+    tier.set_arena(m)
+    with pytest.raises(BufferError):
+        m.close()
+
+
+@pytest.mark.parametrize("field,value,kind", [
+    ("slot", 1.7, TypeError), ("slot", "2", TypeError), ("slot", True, TypeError),
+    ("job", None, TypeError), ("job", "x", TypeError), ("job", 2.0, TypeError)])
+def test_slot_and_job_ids_must_be_integers(stored, field, value, kind):
+    tier, keys, src, a = stored
+    before = tier.stats()
+    job = TransferJob(value, keys[:1], [0]) if field == "job" else TransferJob(9, keys[:1], [value])
+    with pytest.raises(kind, match="must be an integer"):
+        tier.submit_load(job)
+    assert tier.stats() == before and not tier.has_pending_work()
+    ok(load(tier, 10, keys[:1], [np.int64(3)]), BS)  # numpy integers are integers
+
+
+def test_calls_after_shutdown(root, make_tier, arena):
+    tier = make_tier(root, shared=True)
+    tier.set_arena(arena(2, BS))
+    assert tier.lookup(b"unknown") is RETRY
+    tier.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        tier.lookup(b"unknown")
+    with pytest.raises(RuntimeError, match="shut down"):
+        tier.set_arena(arena(2, BS))
+    with pytest.raises(RuntimeError, match="shut down"):
+        tier.submit_load(TransferJob(1, [b"unknown"], [0]))
+    tier.on_step_end()  # a no-op now
+    assert tier.has_pending_work() is False
+    assert tier.get_finished_jobs() == []
+
+
+def test_a_fifo_at_a_block_name_fails_the_load_without_hanging(root, make_tier, arena):
+    """posix engine: the open does not wait for a writer; the load fails, the key is MISS."""
+    tier = make_tier(root, engine="posix")
+    a = fill(arena(2, BS), 3)
+    tier.set_arena(a)
+    ok(store(tier, 1, [b"f"], [0]), BS)
+    p = path_of(tier, b"f")
+    os.unlink(p)
+    os.mkfifo(p)
+    res = load(tier, 2, [b"f"], [1])
+    assert res.success is False and b"f" in res.failed_keys
+    assert tier.lookup(b"f") is MISS
