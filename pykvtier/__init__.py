@@ -5,8 +5,10 @@ with a two-phase API: :meth:`DiskTier.lookup` (never blocks) and batched jobs
 (:meth:`DiskTier.submit_load` / :meth:`DiskTier.submit_store`). See DESIGN.md.
 """
 
+from .buffers import host_arena
 from .tier import DiskTier, JobResult, LookupResult, TransferJob
 from .promotion import Promoter, PromotionResult
 
-__all__ = ["DiskTier", "JobResult", "LookupResult", "Promoter", "PromotionResult", "TransferJob"]
+__all__ = ["DiskTier", "JobResult", "LookupResult", "Promoter", "PromotionResult", "TransferJob",
+           "host_arena"]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Arena", "as_arena"]
+__all__ = ["Arena", "as_arena", "host_arena"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,20 @@ class Arena:
 
     def slot_addr(self, slot: int) -> int:
         return self.addr + slot * self.slot_bytes
+
+
+def host_arena(num_slots: int, slot_bytes: int) -> "np.ndarray":
+    """A page-aligned, zero-filled host arena: a uint8 array of shape (num_slots, slot_bytes)
+    backed by an anonymous mapping (``numpy.empty`` gives no page alignment). For pinned memory
+    that a GPU can copy from, use a pinned torch tensor instead."""
+    import mmap
+
+    import numpy as np
+
+    if num_slots <= 0 or slot_bytes <= 0:
+        raise ValueError(f"num_slots and slot_bytes must be positive, got {num_slots}, {slot_bytes}")
+    m = mmap.mmap(-1, num_slots * slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(m, dtype=np.uint8).reshape(num_slots, slot_bytes)
 
 
 def _torch_region(obj: Any) -> tuple[int, int, bool] | None:

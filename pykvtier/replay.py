@@ -299,7 +299,9 @@ class _Progress:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, dynamic_ncols=True)
+        # disable=None: no bar when stderr is not a terminal (logs, pipes)
+        self._bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, dynamic_ncols=True,
+                         disable=None)
 
     def update(self, postfix: str) -> None:
         self._n += 1

@@ -375,8 +375,9 @@ class DiskTier:
                 if v % self.mem_align:
                     raise ValueError(
                         f"arena {what} {hex(v) if what == 'address' else v} is not a multiple of "
-                        f"{self.mem_align} bytes, the alignment O_DIRECT needs at "
-                        f"{self.layout.root}; use page-aligned memory")
+                        f"{self.mem_align} bytes, the page alignment pykvtier asks of O_DIRECT "
+                        f"arenas at {self.layout.root}; use page-aligned memory, e.g. "
+                        "pykvtier.host_arena()")
         self._engine.unregister_buffers()
         self._engine.register_buffer(arena.addr, arena.nbytes)
         # Registration pins (and faults in) the whole arena: a one-time cost, paid here.
