@@ -35,6 +35,11 @@ class Arena:
     def slot_addr(self, slot: int) -> int:
         return self.addr + slot * self.slot_bytes
 
+    def release(self) -> None:
+        """Drops the buffer export that locks the memory (call once no I/O can touch it)."""
+        if isinstance(self.owner, tuple) and isinstance(self.owner[-1], memoryview):
+            self.owner[-1].release()
+
 
 def host_arena(num_slots: int, slot_bytes: int) -> "np.ndarray":
     """A page-aligned, zero-filled host arena: a uint8 array of shape (num_slots, slot_bytes)

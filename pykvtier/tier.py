@@ -388,6 +388,8 @@ class DiskTier:
             logger.warning("pykvtier: registering the arena as io_uring fixed buffers failed (%s); "
                            "loads use plain reads (raise RLIMIT_MEMLOCK to fix)",
                            os.strerror(st["buffer_registration_errno"]))
+        if self._arena is not None and self._arena is not arena:
+            self._arena.release()  # the rings have let go of it (await_buffers)
         self._arena = arena
         return arena
 
@@ -767,7 +769,7 @@ class DiskTier:
 
     def shutdown(self) -> None:
         """Finishes in-flight I/O, then releases the engine's threads, rings and descriptors and
-        the probe's ring. Idempotent."""
+        the probe's ring, and lets go of the arena (its owner may free it). Idempotent."""
         if self._closed:
             return
         self.drain()
@@ -776,6 +778,8 @@ class DiskTier:
         self._engine.shutdown()
         if self._probe is not None:
             self._probe.close()
+        if self._arena is not None:  # no I/O can touch it now: let its owner free it
+            self._arena.release()
 
     def __enter__(self) -> DiskTier:
         return self

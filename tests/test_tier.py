@@ -904,3 +904,17 @@ def test_a_fifo_at_a_block_name_fails_the_load_without_hanging(root, make_tier, 
     res = load(tier, 2, [b"f"], [1])
     assert res.success is False and b"f" in res.failed_keys
     assert tier.lookup(b"f") is MISS
+
+
+def test_shutdown_and_a_new_arena_let_go_of_the_old_memory(root, make_tier):
+    import mmap
+
+    tier = make_tier(root, direct=False)
+    first, second = mmap.mmap(-1, 4 * BS), mmap.mmap(-1, 4 * BS)
+    tier.set_arena(first)
+    tier.set_arena(second)
+    first.close()  # no longer the arena: its owner may free it
+    with pytest.raises(BufferError):
+        second.close()
+    tier.shutdown()
+    second.close()
