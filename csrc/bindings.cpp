@@ -10,6 +10,7 @@
 
 #include "gds_build_info.hpp"
 #include "checksum.hpp"
+#include "job_entries.hpp"
 #include "uring_engine.hpp"
 #include "uring_probe.hpp"
 #include "xxh3_lanes.hpp"
@@ -19,27 +20,12 @@ using namespace pykvtier;
 
 namespace {
 
-constexpr uint64_t kMaxRequestBytes = 1ull << 30;
-
-Op parse_op(const std::string& s) {
-  if (s == "read") return Op::Read;
-  if (s == "write") return Op::Write;
-  if (s == "read_block") return Op::ReadBlock;
-  if (s == "write_block") return Op::WriteBlock;
-  if (s == "unlink") return Op::Unlink;
-  throw py::value_error("unknown op '" + s +
-                        "': expected read, write, read_block, write_block or unlink");
-}
-
 std::string hex(uint64_t v) {
   std::ostringstream o;
   o << "0x" << std::hex << v;
   return o.str();
 }
 
-[[noreturn]] void entry_error(size_t i, const std::string& path, const std::string& what) {
-  throw py::value_error("entry " + std::to_string(i) + " (" + path + "): " + what);
-}
 
 // Converts Python entries into a Job, validating every entry before anything is queued.
 //   read / write:   (path, file_offset, length, host_addr[, rename_target])
@@ -50,69 +36,15 @@ std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::se
                               bool direct, uint32_t align, uint32_t mem_align, bool fsync) {
   auto job = std::make_unique<Job>();
   job->id = id;
-  job->op = parse_op(op_s);
   job->direct = direct;
   job->fsync = fsync;
   if (align == 0 || (align & (align - 1))) throw py::value_error("align must be a power of two");
   if (mem_align == 0) mem_align = align;
   if (mem_align & (mem_align - 1)) throw py::value_error("mem_align must be a power of two");
-  const size_t n = py::len(entries);
-  job->reqs.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    Request& r = job->reqs[i];
-    py::handle e = entries[i];
-    if (job->op == Op::Unlink) {
-      r.path = py::isinstance<py::str>(e) ? e.cast<std::string>()
-                                          : py::reinterpret_borrow<py::sequence>(e)[0].cast<std::string>();
-      continue;
-    }
-    py::tuple t = py::reinterpret_borrow<py::object>(e).cast<py::tuple>();
-    auto need = [&](size_t k) {
-      if (t.size() != k)
-        throw py::value_error("entry " + std::to_string(i) + ": expected a tuple of " +
-                              std::to_string(k) + " items for op '" + op_s + "', got " +
-                              std::to_string(t.size()));
-    };
-    auto digest = [&](py::handle h) {
-      std::string d = h.cast<py::bytes>();
-      if (d.size() != kDigestBytes)
-        entry_error(i, r.path, "key digest must be " + std::to_string(kDigestBytes) + " bytes");
-      std::memcpy(r.digest, d.data(), kDigestBytes);
-    };
-    switch (job->op) {
-      case Op::Read:
-      case Op::Write:
-        if (t.size() == 5 && job->op == Op::Write)
-          r.target = t[4].cast<std::string>();
-        else
-          need(4);
-        r.path = t[0].cast<std::string>();
-        r.offset = t[1].cast<uint64_t>();
-        r.length = t[2].cast<uint64_t>();
-        r.addr = t[3].cast<uint64_t>();
-        break;
-      case Op::ReadBlock:
-        need(4);
-        r.path = t[0].cast<std::string>();
-        r.length = t[1].cast<uint64_t>();
-        r.addr = t[2].cast<uint64_t>();
-        digest(t[3]);
-        break;
-      case Op::WriteBlock:
-        need(5);
-        r.path = t[0].cast<std::string>();
-        r.target = t[1].cast<std::string>();
-        r.length = t[2].cast<uint64_t>();
-        r.addr = t[3].cast<uint64_t>();
-        digest(t[4]);
-        break;
-      case Op::Unlink:
-        break;
-    }
-    if (r.length == 0) entry_error(i, r.path, "length is 0");
-    if (r.length > kMaxRequestBytes)
-      entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
-    if (r.addr == 0) entry_error(i, r.path, "host address is NULL");
+  parse_entries(*job, op_s, entries, "host");
+  for (size_t i = 0; i < job->reqs.size(); ++i) {
+    const Request& r = job->reqs[i];
+    if (job->op == Op::Unlink) break;
     if (direct) {
       if (r.addr % mem_align)
         entry_error(i, r.path, "host address " + hex(r.addr) + " is not a multiple of " +

@@ -10,17 +10,12 @@
 #include <sstream>
 
 #include "gds_engine.hpp"
+#include "job_entries.hpp"
 
 namespace py = pybind11;
 using namespace pykvtier::gds;
 
 namespace {
-
-constexpr uint64_t kMaxRequestBytes = 1ull << 30;
-
-[[noreturn]] void entry_error(size_t i, const std::string& path, const std::string& what) {
-  throw py::value_error("entry " + std::to_string(i) + " (" + path + "): " + what);
-}
 
 // Entry tuples as pykvtier._native.Engine (addresses are device addresses):
 //   read / write:   (path, file_offset, length, device_addr[, rename_target])
@@ -33,70 +28,10 @@ std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::se
                               bool fsync) {
   auto job = std::make_unique<Job>();
   job->id = id;
-  try {
-    job->op = parse_op(op_s);
-  } catch (const std::invalid_argument& e) {
-    throw py::value_error(e.what());
-  }
   job->direct = direct;
   job->fsync = fsync;
-  const size_t n = py::len(entries);
-  job->reqs.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    Request& r = job->reqs[i];
-    py::handle e = entries[i];
-    if (job->op == Op::Unlink) {
-      r.path = py::isinstance<py::str>(e) ? e.cast<std::string>()
-                                          : py::reinterpret_borrow<py::sequence>(e)[0].cast<std::string>();
-      continue;
-    }
-    py::tuple t = py::reinterpret_borrow<py::object>(e).cast<py::tuple>();
-    auto need = [&](size_t k) {
-      if (t.size() != k)
-        throw py::value_error("entry " + std::to_string(i) + ": expected a tuple of " + std::to_string(k) +
-                              " items for op '" + op_s + "', got " + std::to_string(t.size()));
-    };
-    auto digest = [&](py::handle h) {
-      std::string d = h.cast<py::bytes>();
-      if (d.size() != pykvtier::kDigestBytes)
-        entry_error(i, r.path, "key digest must be " + std::to_string(pykvtier::kDigestBytes) + " bytes");
-      std::memcpy(r.digest, d.data(), pykvtier::kDigestBytes);
-    };
-    switch (job->op) {
-      case Op::Read:
-      case Op::Write:
-        if (t.size() == 5 && job->op == Op::Write)
-          r.target = t[4].cast<std::string>();
-        else
-          need(4);
-        r.path = t[0].cast<std::string>();
-        r.offset = t[1].cast<uint64_t>();
-        r.length = t[2].cast<uint64_t>();
-        r.addr = t[3].cast<uint64_t>();
-        break;
-      case Op::ReadBlock:
-        need(4);
-        r.path = t[0].cast<std::string>();
-        r.length = t[1].cast<uint64_t>();
-        r.addr = t[2].cast<uint64_t>();
-        digest(t[3]);
-        break;
-      case Op::WriteBlock:
-        need(5);
-        r.path = t[0].cast<std::string>();
-        r.target = t[1].cast<std::string>();
-        r.length = t[2].cast<uint64_t>();
-        r.addr = t[3].cast<uint64_t>();
-        digest(t[4]);
-        break;
-      case Op::Unlink:
-        break;
-    }
-    if (r.length == 0) entry_error(i, r.path, "length is 0");
-    if (r.length > kMaxRequestBytes)
-      entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
-    if (r.addr == 0) entry_error(i, r.path, "device address is NULL");
-  }
+  pykvtier::parse_entries(*job, op_s, entries, "device");
+  const size_t n = job->reqs.size();
   // Every address must be device memory (a host address here is a caller's bug, not an I/O error).
   for (size_t i = 0; i < n; ++i) {
     if (job->op == Op::Unlink) break;
@@ -104,13 +39,13 @@ std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::se
     cudaError_t err = cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(job->reqs[i].addr));
     if (err != cudaSuccess) {
       cudaGetLastError();
-      entry_error(i, job->reqs[i].path, std::string("cannot query the address: ") + cudaGetErrorString(err));
+      pykvtier::entry_error(i, job->reqs[i].path, std::string("cannot query the address: ") + cudaGetErrorString(err));
     }
     if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
       std::ostringstream o;
       o << "address 0x" << std::hex << job->reqs[i].addr << " is not device memory (the gds engine moves "
         << "blocks between files and GPU memory)";
-      entry_error(i, job->reqs[i].path, o.str());
+      pykvtier::entry_error(i, job->reqs[i].path, o.str());
     }
   }
   return job;

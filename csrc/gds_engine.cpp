@@ -140,16 +140,6 @@ const char* op_name(Op op) {
 
 bool op_is_write(Op op) { return op == Op::Write || op == Op::WriteBlock || op == Op::Unlink; }
 
-Op parse_op(const std::string& s) {
-  if (s == "read") return Op::Read;
-  if (s == "write") return Op::Write;
-  if (s == "read_block") return Op::ReadBlock;
-  if (s == "write_block") return Op::WriteBlock;
-  if (s == "unlink") return Op::Unlink;
-  throw std::invalid_argument("unknown op '" + s +
-                              "': expected read, write, read_block, write_block or unlink");
-}
-
 Verify parse_verify(const std::string& s) {
   if (s == "auto") return PYKVTIER_DEVICE_VERIFY ? Verify::Device : Verify::Host;
   if (s == "device") {

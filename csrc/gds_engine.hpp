@@ -45,7 +45,6 @@ enum class Compat : uint8_t { Off, On, Auto };  // kvikio::CompatMode
 
 const char* op_name(Op op);
 bool op_is_write(Op op);
-Op parse_op(const std::string& s);          // throws std::invalid_argument
 Verify parse_verify(const std::string& s);  // "auto" -> Device where built, else Host
 Compat parse_compat(const std::string& s);
 const char* verify_name(Verify v);
