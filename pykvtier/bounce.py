@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .posix_engine import FinishedJobsQueue
+
 __all__ = ["BounceEngine", "Copier", "HostCopier"]
 
 logger = logging.getLogger("pykvtier")
@@ -118,7 +120,7 @@ class _Chunk:
     host_results: list[int] = field(default_factory=list)
 
 
-class BounceEngine:
+class BounceEngine(FinishedJobsQueue):
     """Loads into / stores from device memory through ``host`` (the io_uring or posix engine) and a
     pinned bounce arena of ``bounce_slots`` slots of ``slot_bytes`` (see the module docs).
 
@@ -182,20 +184,6 @@ class BounceEngine:
         p.done_event.wait()
         return p.results
 
-    def poll(self) -> list[tuple]:
-        with self._mu:
-            out, self._finished = self._finished, []
-        return out
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        with self._mu:
-            self._mu.wait_for(lambda: self._finished or self._outstanding == 0, timeout_s)
-            return bool(self._finished)
-
-    def drain(self) -> None:
-        with self._mu:
-            self._mu.wait_for(lambda: self._outstanding == 0)
-
     def shutdown(self) -> None:
         with self._mu:
             if self._closed:
@@ -215,10 +203,6 @@ class BounceEngine:
             self._mu.notify_all()
         self._thread.join()
         self.host_engine.unregister_buffers()
-
-    def pending_jobs(self) -> int:
-        with self._mu:
-            return self._outstanding
 
     def stats(self) -> dict[str, int]:
         s = dict(self.host_engine.stats())

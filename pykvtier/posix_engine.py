@@ -15,7 +15,6 @@ import stat
 import struct
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from . import _native
@@ -38,7 +37,36 @@ def _aligned(n: int) -> memoryview:
     return memoryview(raw)[off:off + n]
 
 
-class PosixEngine:
+class FinishedJobsQueue:
+    """The completion side that Python engines share with ``_native.Engine``: finished jobs as
+    ``(job_id, op, results, submits, queued_s, transfer_s)``, each polled once. Subclasses set
+    ``_mu`` (a Condition), ``_finished`` (a list) and ``_outstanding`` (jobs not finished) and
+    notify ``_mu`` when a job finishes."""
+
+    _mu: threading.Condition
+    _finished: list
+    _outstanding: int
+
+    def poll(self) -> list[tuple]:
+        with self._mu:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        with self._mu:
+            self._mu.wait_for(lambda: self._finished or self._outstanding == 0, timeout_s)
+            return bool(self._finished)
+
+    def drain(self) -> None:
+        with self._mu:
+            self._mu.wait_for(lambda: self._outstanding == 0)
+
+    def pending_jobs(self) -> int:
+        with self._mu:
+            return self._outstanding
+
+
+class PosixEngine(FinishedJobsQueue):
     """Batched block I/O with one ``preadv``/``pwritev`` per request on ``threads`` threads.
 
     Interface as ``pykvtier._native.Engine`` (see its docstring); ``queue_depth`` bounds requests
@@ -51,7 +79,7 @@ class PosixEngine:
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, queue_depth)),
                                         thread_name_prefix="pykvtier-posix")
         self._mu = threading.Condition()
-        self._finished: deque = deque()
+        self._finished: list[tuple] = []
         self._outstanding = 0
         self._closed = False
         self._stats = dict.fromkeys(
@@ -106,29 +134,10 @@ class PosixEngine:
         for i in range(len(reqs)):
             self._pool.submit(one, i)
 
-    def poll(self) -> list[tuple]:
-        with self._mu:
-            out = list(self._finished)
-            self._finished.clear()
-        return out
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        with self._mu:
-            self._mu.wait_for(lambda: self._finished or self._outstanding == 0, timeout_s)
-            return bool(self._finished)
-
-    def drain(self) -> None:
-        with self._mu:
-            self._mu.wait_for(lambda: self._outstanding == 0)
-
     def shutdown(self) -> None:
         self.drain()
         self._closed = True
         self._pool.shutdown(wait=True)
-
-    def pending_jobs(self) -> int:
-        with self._mu:
-            return self._outstanding
 
     def stats(self) -> dict[str, int]:
         with self._mu:
