@@ -435,3 +435,47 @@ def test_fio_jobfile_equivalent(tmp_path):
     m = metrics(fake, "fio")["r"]
     assert m["gbps"] == pytest.approx((1 << 30) / 1e9) and m["iops"] == 512
     assert m["cpu_s_per_gib"] == pytest.approx(0.4) and m["p99_ms"] == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("mode,loops,max_cpus", [("indexed", 50, 1.1), ("probed", 10, 3.0)])
+def test_lookup_report_is_fio_shaped_and_cpu_is_over_its_runtime(root, mode, loops, max_cpus):
+    """rw=lookup: the text has no Python dicts, its answers and CPU figures are the JSON's, and
+    the CPU is measured over the runtime it is a percentage of. Indexed: one thread doing
+    lookups cannot use more CPU than its runtime. Probed: the thread waits (GIL released) while
+    io_uring workers run a step's statx batch; setting up each pass's tier is neither runtime
+    nor CPU (counted in, it read as over 1000 % on this run)."""
+    import re
+
+    from pykvtier.bench.report import format_text
+
+    specs, (g,) = _run([f"--directory={root}", "--name=l", "--rw=lookup", f"--lookup={mode}",
+                        "--model=tiny", "--tokens_per_block=16", "--nrfiles=200", "--lookup_hit=40",
+                        "--iodepth=16", f"--loops={loops}"])
+    n = 200 * loops
+    (r,) = g.clones
+    assert r.error == 0, r.error_msg
+    assert r.read.ios == n
+    rt = r.read.runtime_s
+    cpu = r.usr_s + r.sys_s
+    assert 0 < cpu <= rt * max_cpus + 0.002, (cpu, rt)
+    assert "timed lookups" in r.cpu_note
+    (job,) = to_json([g])["jobs"]
+    assert job["usr_cpu"] == pytest.approx(100.0 * r.usr_s / rt, rel=1e-3, abs=0.01)
+    assert job["pykvtier"]["cpu_ns_per_key"] == pytest.approx(cpu * 1e9 / n)
+    a = job["pykvtier"]["answers"]
+    assert a["HIT"] + a["MISS"] == n and 0 < a["HIT"] < n
+
+    text = format_text([g], specs)
+    assert "{" not in text and "}" not in text  # no raw dicts
+    (kv,) = [line for line in text.splitlines() if line.startswith("  pykvtier     : ")]
+    assert f"answers: HIT={a['HIT']}, MISS={a['MISS']}" in kv
+    assert "keys_per_s" not in kv  # the lookup line already gives keys/s
+    (cpu_line,) = [line for line in text.splitlines() if line.startswith("  cpu          : ")]
+    m = re.match(r"  cpu          : usr=([\d.]+)%, sys=([\d.]+)%, ctx=\d+, majf=\d+, minf=\d+, "
+                 r"cpu/key=([\d.]+)(ns|us|ms)$", cpu_line)
+    assert m, cpu_line
+    assert float(m.group(1)) == pytest.approx(job["usr_cpu"], abs=0.006)
+    assert float(m.group(2)) == pytest.approx(job["sys_cpu"], abs=0.006)
+    per_key_ns = float(m.group(3)) * {"ns": 1, "us": 1e3, "ms": 1e6}[m.group(4)]
+    assert per_key_ns == pytest.approx(job["pykvtier"]["cpu_ns_per_key"], rel=0.01, abs=1)
+    assert "  lookup: keys/s=" in text and f"keys={n} in " in text

@@ -14,6 +14,9 @@ usr_cpu, sys_cpu (percent of job_runtime), ctx, majf, minf, latency_ns/us/ms`` a
 * no bandwidth/IOPS sampling over time (``bw_samples`` = 0, as fio reports for short jobs).
 * rw=promote counts one I/O per request (``total_ios`` = requests, ``clat_ns`` = request
   latency: promote() to every block landed); rw=lookup one per key (``io_bytes`` = 0).
+* ``usr_cpu``/``sys_cpu`` are fio's: CPU time as a percentage of the job's runtime (100 % = one
+  CPU for the whole runtime; more when several threads work). The text adds CPU seconds per
+  GiB moved (``cpu/GiB``) or, for rw=lookup, CPU time per key (``cpu/key``).
 """
 
 from __future__ import annotations
@@ -162,11 +165,13 @@ def job_json(r: CloneResult) -> dict:
         "latency_window": 0,
     }
     gib = (r.read.io_bytes + r.write.io_bytes) / (1 << 30)
+    keys = r.read.ios if r.unit == "key" else 0
     j["pykvtier"] = {
         "rw": spec.values["rw"], "ioengine": spec.values["ioengine"], "unit": r.unit,
         "jobs": getattr(r, "jobs", 1), "jobnum": r.jobnum,
         "usr_s": r.usr_s, "sys_s": r.sys_s,
         "cpu_s_per_gib": (r.usr_s + r.sys_s) / gib if gib else None,
+        **({"cpu_ns_per_key": (r.usr_s + r.sys_s) * 1e9 / keys} if keys else {}),
         "cpu_accounting": r.cpu_note,
         "latency": "clat_ns = from the I/O's SQEs being prepared to its result (fio's lat); "
                    "percentiles exact",
@@ -257,6 +262,15 @@ def _iops(v: float) -> str:
     return f"{v / 1e9:.1f}G"
 
 
+def _duration(seconds: float) -> str:
+    """A short duration in fio's units: 850ns, 2.13us, 1.50ms, 2.00s."""
+    for unit, scale in (("ns", 1e9), ("us", 1e6), ("ms", 1e3)):
+        v = seconds * scale
+        if v < 1000:
+            return f"{v:.0f}{unit}" if unit == "ns" else f"{v:.2f}{unit}"
+    return f"{seconds:.2f}s"
+
+
 def _lat_unit(st: dict) -> tuple[str, float]:
     """fio's rule (stat.c): msec when min, max, mean and stdev all exceed 20 ms, usec when they
     all exceed 20 us, else nsec."""
@@ -325,17 +339,23 @@ def _job_text(r: CloneResult) -> list[str]:
     sys_ = 100.0 * r.sys_s / rt if rt > 0 else 0.0
     gib = (r.read.io_bytes + r.write.io_bytes) / (1 << 30)
     cpg = f", cpu/GiB={(r.usr_s + r.sys_s) / gib:.4f}s" if gib else ""
+    if r.unit == "key" and r.read.ios:
+        cpg = f", cpu/key={_duration((r.usr_s + r.sys_s) / r.read.ios)}"
     out.append(f"  cpu          : usr={usr:.2f}%, sys={sys_:.2f}%, ctx={r.ctx}, majf={r.majf}, "
                f"minf={r.minf}{cpg}")
     e = r.extra
     bits = []
+    # (keys_per_s is the lookup line's keys/s: not repeated here)
     for k in ("engine", "fixedbufs", "workload", "mode", "blocks_per_s", "requests_per_s",
-              "hit_pending", "keys_per_s", "answers", "verify", "requests_split"):
+              "hit_pending", "answers", "verify", "requests_split"):
         if k in e and e[k] not in (None, "", 0) or (k == "fixedbufs" and k in e):
             val = e[k]
             if isinstance(val, float):
                 val = f"{val:.1f}"
-            bits.append(f"{k}={val}")
+            if isinstance(val, dict):  # answers: HIT=5000, MISS=5240
+                bits.append(f"{k}: " + ", ".join(f"{a}={b}" for a, b in val.items()))
+            else:
+                bits.append(f"{k}={val}")
     es = e.get("engine_stats")
     if isinstance(es, dict):
         for op, st in es.items():

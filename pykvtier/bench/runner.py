@@ -20,6 +20,10 @@ i.e. fio's ``lat`` (submission + completion); pykvtier has no separate slat.
 **CPU** (usr/sys) is getrusage over the measured phase: ``RUSAGE_SELF`` when the group has one
 stream (so io_uring's io-wq workers count, as they do in fio's figure), else each stream's
 ``RUSAGE_THREAD`` plus an equal share of the rest of the process's CPU over the group.
+rw=lookup measures CPU over exactly the intervals its runtime adds up (the timed lookups;
+checking the answers and, for lookup=probed, setting up each pass's tier are left out of
+both), so usr/sys are, as in fio, percentages of the job's runtime: 100 % = one CPU busy for
+the whole runtime; above 100 % only when other threads (io_uring workers) add to it.
 """
 
 from __future__ import annotations
@@ -216,6 +220,8 @@ class _Stream:
         self.m_start: float | None = None
         self.m_end: float | None = None
         self.setup_ms = 0.0
+        # rw=lookup: rusage deltas summed over the timed intervals only ({"self": .., "thread": ..})
+        self.cpu_windows: dict | None = None
 
     def live_bytes(self) -> int:
         eng = self.engine
@@ -238,6 +244,20 @@ def _ru_delta(a, b) -> dict:
     return {"usr": b.ru_utime - a.ru_utime, "sys": b.ru_stime - a.ru_stime,
             "ctx": (b.ru_nvcsw - a.ru_nvcsw) + (b.ru_nivcsw - a.ru_nivcsw),
             "majf": b.ru_majflt - a.ru_majflt, "minf": b.ru_minflt - a.ru_minflt}
+
+
+def _ru_pair() -> tuple:
+    """(RUSAGE_SELF, RUSAGE_THREAD) now: the two ends of a timed interval."""
+    return resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
+
+
+def _ru_add(acc: dict, start: tuple, end: tuple) -> None:
+    """Add the rusage of one timed interval (two _ru_pair()s) to acc {"self": .., "thread": ..}."""
+    for who, a, b in (("self", start[0], end[0]), ("thread", start[1], end[1])):
+        d = _ru_delta(a, b)
+        tot = acc.setdefault(who, dict.fromkeys(d, 0))
+        for k, v in d.items():
+            tot[k] += v
 
 
 def _errtext(res: int) -> str:
@@ -861,6 +881,7 @@ class LookupClone(PromoteClone):
         answers = {"HIT": 0, "MISS": 0}
         measured_s = 0.0
         n_keys = 0
+        cpu: dict = {}
         self._start(stream, time.perf_counter())
         t_begin = stream.m_start
         pass_no = 0
@@ -872,14 +893,19 @@ class LookupClone(PromoteClone):
                 break
             if not v["time_based"] and pass_no >= v["loops"]:
                 break
+            pass_cpu: dict = {}
             if self.mode == "indexed":
-                t, l, ans = self._indexed_pass(deadline)
+                t, l, ans = self._indexed_pass(deadline, pass_cpu)
             else:
-                t, l, ans = self._probed_pass(batch, deadline)
+                t, l, ans = self._probed_pass(batch, deadline, pass_cpu)
             if ans.get("wrong"):
                 self.fail(stream, _errno.EILSEQ, ans["wrong"])
                 break
             if now >= ramp_end:
+                for who, delta in pass_cpu.items():
+                    tot = cpu.setdefault(who, dict.fromkeys(delta, 0))
+                    for k, x in delta.items():
+                        tot[k] += x
                 measured_s += t
                 lat.append(l)
                 n_keys += len(l)
@@ -890,12 +916,13 @@ class LookupClone(PromoteClone):
         stream.ru_self = (stream.ru_self[0], _ru(resource.RUSAGE_SELF))
         stream.m_end = stream.m_start + measured_s
         stream.stats = DirStats(0, n_keys, measured_s, lat)
+        stream.cpu_windows = cpu or None
         stream.done_ios = n_keys
         self.kv = {"mode": self.mode, "keys": n_keys, "answers": answers,
                    "keys_per_s": n_keys / measured_s if measured_s else 0.0, "passes": pass_no}
         _ = LookupResult
 
-    def _indexed_pass(self, deadline):
+    def _indexed_pass(self, deadline, cpu: dict):
         from ..tier import LookupResult
 
         tier = self.tier
@@ -905,6 +932,7 @@ class LookupClone(PromoteClone):
         res = [None] * len(keys)
         clock = time.perf_counter_ns
         lookup = tier.lookup
+        ru0 = _ru_pair()
         t0 = time.perf_counter()
         n = 0
         for i, k in enumerate(keys):
@@ -917,6 +945,7 @@ class LookupClone(PromoteClone):
                 if deadline is not None and n % 4096 == 0 and time.perf_counter() >= deadline:
                     break
         t = time.perf_counter() - t0
+        _ru_add(cpu, ru0, _ru_pair())
         ans = {"HIT": 0, "MISS": 0}
         for i in range(n):
             want = LookupResult.HIT if self.present[i] else LookupResult.MISS
@@ -926,7 +955,7 @@ class LookupClone(PromoteClone):
             ans[want.name] += 1
         return t, lat[:n], ans
 
-    def _probed_pass(self, batch: int, deadline):
+    def _probed_pass(self, batch: int, deadline, cpu: dict):
         """A tier that shares the root with other processes and has not seen the keys: each
         step looks up `iodepth` keys (RETRY), the step's end sends one batch of statx probes,
         the next lookups answer HIT or MISS. Latency per key: first lookup -> definite answer."""
@@ -954,12 +983,14 @@ class LookupClone(PromoteClone):
             n = 0
             for a in range(0, len(keys), batch):
                 part = keys[a:a + batch]
+                ru0 = _ru_pair()
                 t0 = time.perf_counter_ns()
                 first = [tier.lookup(k) for k in part]
                 tier.on_step_end()
                 tier.drain()  # waits (GIL released) for the step's probes
                 final = [tier.lookup(k) for k in part]
                 t1 = time.perf_counter_ns()
+                _ru_add(cpu, ru0, _ru_pair())
                 lat[a:a + len(part)] = t1 - t0
                 t_total += (t1 - t0) / 1e9
                 for i, (f0, f1) in enumerate(zip(first, final)):
@@ -1124,12 +1155,15 @@ def _account_cpu(clones: list[_Clone], streams: list[_Stream], ru0, ru1) -> None
     measured = [s for s in streams if s.ru_thread[0] is not None and s.ru_thread[1] is not None]
     if len(streams) == 1 and measured:
         s = measured[0]
-        d = _ru_delta(*s.ru_self)
-        dt = _ru_delta(*s.ru_thread)
         c = s.clone.result
+        if s.cpu_windows:
+            d, dt = s.cpu_windows["self"], s.cpu_windows["thread"]
+            c.cpu_note = "getrusage(RUSAGE_SELF) over the timed lookups (the intervals of the runtime)"
+        else:
+            d, dt = _ru_delta(*s.ru_self), _ru_delta(*s.ru_thread)
+            c.cpu_note = "getrusage(RUSAGE_SELF) over the measured phase"
         c.usr_s, c.sys_s = d["usr"], d["sys"]
         c.ctx, c.majf, c.minf = dt["ctx"], dt["majf"], dt["minf"]
-        c.cpu_note = "getrusage(RUSAGE_SELF) over the measured phase"
         return
     total = _ru_delta(ru0, ru1)
     per = {id(s): _ru_delta(*s.ru_thread) for s in measured}
@@ -1140,6 +1174,11 @@ def _account_cpu(clones: list[_Clone], streams: list[_Stream], ru0, ru1) -> None
         s.clone.result.cpu_note = ("getrusage(RUSAGE_THREAD) of the job's thread(s) + an equal share "
                                    "of the rest of the process's CPU over the group")
         p = per[id(s)]
+        if s.cpu_windows:  # rw=lookup: its own thread over the timed lookups only
+            p = s.cpu_windows["thread"]
+            s.clone.result.cpu_note = ("getrusage(RUSAGE_THREAD) of the job's thread over the timed "
+                                       "lookups + an equal share of the rest of the process's CPU "
+                                       "over the group")
         c = s.clone.result
         c.usr_s += p["usr"] + rest_u / n
         c.sys_s += p["sys"] + rest_s / n
