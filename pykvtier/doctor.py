@@ -314,14 +314,33 @@ def format_text(rep: dict[str, Any]) -> str:
             why.append("no NVIDIA driver loaded (/proc/driver/nvidia)")
         row("GPU", "none (" + "; ".join(why) + ")")
 
+    # Each fact once: the gds engine's build/import state in the kvikio row; the cuFile / GDS
+    # row and the GPU-arena path refer to it instead of repeating its reason.
     s = rep["gds"]
     pk = s.get("packages") or {}
     kv = s.get("kvikio_version") or s.get("build_kvikio_version")
+    if not s.get("built"):
+        engine_state = f"gds engine {s.get('build_reason')}"
+    elif s.get("importable") is None:  # --no-gpu: built, not loaded
+        engine_state = f"gds engine {s.get('build_reason')}; not loaded (--no-gpu)"
+    elif s.get("importable"):
+        engine_state = f"gds engine {s.get('build_reason')}; loads"
+    else:
+        engine_state = f"gds engine {s.get('build_reason')}; {s.get('import_reason')}"
     row("kvikio", (f"{kv}" if kv else "none") + (f"; packages: {', '.join(f'{a} {b}' for a, b in pk.items())}"
                                                  if pk else "; no kvikio / libkvikio package installed"),
-        f"gds engine: {s.get('build_reason')}"
-        + ("" if not s.get("built") or s.get("importable") is None
-           else ("; loads" if s.get("importable") else f"; {s.get('import_reason')}")))
+        engine_state)
+    engine_down = not s.get("built") or s.get("importable") is False
+    gds_reason = s.get("reason", "")
+    if s.get("usable"):
+        gds_text = f"usable: {gds_reason}"
+    elif s.get("importable") is None:
+        gds_text = f"not usable: {gds_reason}"
+    elif engine_down:
+        gds_text = "not usable: the gds engine " + ("is not built" if not s.get("built") else "does not load") \
+            + " (see kvikio)"
+    else:
+        gds_text = f"not usable: {gds_reason}"
     gds_lines = [f"nvidia-fs module: {'loaded' if s['nvidia_fs_module'] else 'not loaded'}; "
                  f"/run/udev: {'readable' if s['run_udev_readable'] else 'not readable'}; "
                  f"cufile.json: {s['cufile_json'] or 'none'}"]
@@ -334,14 +353,22 @@ def format_text(rep: dict[str, Any]) -> str:
             gds_lines.append(f"at the root: {s['root_probe'].get('reason')}")
         for n in s.get("notes") or []:
             gds_lines.append(f"note: {n}")
-    row("cuFile / GDS", ("usable: " if s.get("usable") else "not usable: ") + s.get("reason", ""), *gds_lines)
+    row("cuFile / GDS", gds_text, *gds_lines)
 
     pa = rep["paths"]
     dev = pa["device"]
-    dev_text = ("not probed (--no-gpu)" if dev["path"] is None else
-                f"{dev['path']} path: {dev['reason']}")
-    if dev["path"] is not None and not dev.get("gpu_present"):
-        dev_text = f"no GPU here; where a CUDA arena is set, the {dev['path']} path: {dev['reason']}"
+    if dev["path"] is None:
+        dev_text = "not probed (--no-gpu)"
+    else:
+        why = dev["reason"]
+        # the path's reason starts with the GDS verdict, already given in the cuFile / GDS row
+        if gds_reason and why == gds_reason:
+            why = "GPUDirect Storage (see cuFile / GDS)"
+        elif gds_reason and why.startswith(gds_reason + "; "):
+            why = why[len(gds_reason) + 2:] + " (GDS not usable: see cuFile / GDS)"
+        dev_text = f"{dev['path']} path: {why}"
+        if not dev.get("gpu_present"):
+            dev_text = f"no GPU here; where a CUDA arena is set, the {dev_text}"
     row("loads", f"host arenas: {pa['host']}", f"GPU arenas: {dev_text}")
     return "\n".join(lines)
 

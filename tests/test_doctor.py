@@ -41,6 +41,12 @@ def test_json_has_every_section_and_key(report, capsys):
     p = rep["paths"]
     assert p["host_engine"] in ("uring", "posix") and p["device"]["path"] in ("gds", "bounce", "kvikio-compat")
     assert p["device"]["reason"]
+    # the text states each reason once; the JSON keeps them all, in full
+    assert g["build_reason"] and g["reason"]
+    if not g["usable"]:
+        assert p["device"]["reason"].startswith(g["reason"] + "; ")
+    if not g["built"]:
+        assert g["reason"] == f"gds engine {g['build_reason']}"
     # nothing left behind in the root
     assert os.listdir(root) == []
 
@@ -67,7 +73,15 @@ def test_text_explains_the_machine(report):
                   "cuFile / GDS", "loads"):
         assert any(line.startswith(label) for line in text.splitlines()), label
     assert "host arenas:" in text and "GPU arenas:" in text
-    assert rep["paths"]["device"]["reason"] in text
+    dev, gds_reason = rep["paths"]["device"], rep["gds"]["reason"]
+    # the GPU-arena path's own part of its reason; the GDS verdict it starts with is in its row
+    own = dev["reason"][len(gds_reason) + 2:] if dev["reason"].startswith(gds_reason + "; ") else None
+    assert (own or "GPUDirect Storage (see cuFile / GDS)") in text
+    assert f"cuFile / GDS    {'usable' if rep['gds']['usable'] else 'not usable'}: " in text
+    # each reason once (the JSON has them all, in full)
+    assert text.count(rep["gds"]["build_reason"]) == 1
+    if not rep["gds"]["usable"]:
+        assert text.count(gds_reason) <= 1
     if not rep["gpu"]["devices"] and not rep["gds"].get("cuda_devices"):
         assert "GPU             none (" in text and "no GPU here" in text
 
@@ -107,4 +121,47 @@ def test_text_for_other_machines(report):
     assert "O_DIRECT        no: open(O_DIRECT) failed" in text
     assert "cuda:0 NVIDIA H200 (sm 9.0, 150.0 GiB)" in text and "driver 580.159.04" in text
     assert "cuFile / GDS    usable: GPUDirect Storage usable" in text and "at the root: cuFile registered" in text
-    assert "GPU arenas: gds path: GPUDirect Storage usable" in text
+    assert "GPU arenas: gds path: GPUDirect Storage (see cuFile / GDS)" in text
+    assert text.count("GPUDirect Storage usable (nvidia-fs 2.26") == 1
+    assert "kvikio          26.10.0" in text and "gds engine built against kvikio 26.10.0; loads" in text
+
+
+KVIKIO_MISSING = ("not built: kvikio not found at build time (pip install libkvikio-cu12 or libkvikio-cu13 "
+                  "into the build environment, or set kvikio_DIR)")
+IMPORT_FAILED = "does not load: libkvikio.so: cannot open shared object file"
+
+
+@pytest.mark.parametrize("built,importable,gpu_present", [
+    (False, False, False), (False, False, True), (True, False, True), (True, False, False)])
+def test_kvikio_reason_appears_once(report, capsys, built, importable, gpu_present):
+    """The gds engine's build/import reason is one fact: the kvikio row states it, the cuFile /
+    GDS row and the GPU-arena path refer to it; the JSON keeps every reason in full."""
+    import copy
+
+    from pykvtier import gpu
+
+    _, rep = report
+    r = copy.deepcopy(rep)
+    r["gds"].update(built=built, importable=importable,
+                    build_reason=KVIKIO_MISSING if not built else "built against kvikio 26.10.0",
+                    import_reason=KVIKIO_MISSING if not built else IMPORT_FAILED,
+                    kvikio_version=None, build_kvikio_version=None if not built else "26.10.0",
+                    cuda_devices=0, usable=False, packages={})
+    r["gds"]["usable"], r["gds"]["reason"] = gpu._gds_verdict(r["gds"], None)
+    r["gpu"]["devices"] = ([{"index": 0, "name": "NVIDIA H200", "capability": "9.0",
+                             "memory_bytes": 150 << 30}] if gpu_present else [])
+    choice = gpu.choose_path(r["gds"], "auto", "uring")
+    r["paths"]["device"] = {"path": choice.path, "reason": choice.reason, "fallback": choice.fallback,
+                            "gpu_present": gpu_present}
+    text = doctor.format_text(r)
+    fact = KVIKIO_MISSING if not built else IMPORT_FAILED
+    assert text.count(fact) == 1, text
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("kvikio"))
+    assert fact in lines[at + 1] and lines[at + 1].startswith(" " * 16 + "gds engine ")
+    assert ("cuFile / GDS    not usable: the gds engine "
+            + ("is not built" if not built else "does not load") + " (see kvikio)") in text
+    (loads,) = [line for line in lines if "GPU arenas:" in line]
+    assert loads.endswith("bounce path: loads take io_uring into a pinned bounce arena, then host-to-device "
+                          "copies overlapped per chunk (GDS not usable: see cuFile / GDS)")
+    assert ("no GPU here" in loads) is not gpu_present
