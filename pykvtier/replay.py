@@ -284,39 +284,67 @@ class ReplaySummary:
 
 
 class _Progress:
-    """tqdm when available, else a line on stderr about once a second."""
+    """tqdm when available, else a line on stderr about once a second.
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    ``advance()`` once per request replayed; ``show(text)`` whenever the counts it describes
+    change (a job finished, a request done): the bar is redrawn at most every ``interval``
+    seconds, and ``close()`` draws it once more, so it ends on the final counts."""
+
+    def __init__(self, total: int, enabled: bool, interval: float = 0.1) -> None:
         self._bar = None
         self._enabled = enabled
         self._total = total
         self._n = 0
-        self._last = 0.0
+        self._interval = interval
+        self._last = 0.0  # when the bar or line was last drawn
         self._postfix = ""
+        self._drawn: tuple[int, str] | None = None  # what the fallback line last printed
         if not enabled:
             return
         try:
             from tqdm import tqdm
         except ImportError:
+            self._interval = max(interval, 1.0)
             return
         # disable=None: no bar when stderr is not a terminal (logs, pipes)
         self._bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, dynamic_ncols=True,
-                         disable=None)
+                         disable=None, mininterval=interval)
 
-    def update(self, postfix: str) -> None:
+    @property
+    def postfix(self) -> str:
+        return self._postfix
+
+    def show(self, postfix: str) -> None:
+        if postfix == self._postfix:
+            return
+        self._postfix = postfix
+        if self._enabled:
+            self._draw(final=False)
+
+    def advance(self) -> None:
         self._n += 1
         if self._bar is not None:
-            self._bar.set_postfix_str(postfix, refresh=False)
-            self._bar.update(1)
+            self._bar.update(1)  # draws (with the postfix) at most every `interval` seconds
         elif self._enabled:
-            now = time.monotonic()
-            if now - self._last >= 1.0 or self._n == self._total:
-                self._last = now
-                print(f"replay: {self._n}/{self._total} requests  {postfix}", file=sys.stderr, flush=True)
+            self._draw(final=self._n == self._total)
+
+    def _draw(self, final: bool) -> None:
+        now = time.monotonic()
+        if not final and now - self._last < self._interval:
+            return
+        self._last = now
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix, refresh=True)
+        elif (self._n, self._postfix) != self._drawn:
+            self._drawn = (self._n, self._postfix)
+            print(f"replay: {self._n}/{self._total} requests  {self._postfix}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.close()
+            self._bar.set_postfix_str(self._postfix, refresh=False)
+            self._bar.close()  # draws the final state
+        elif self._enabled:
+            self._draw(final=True)
 
 
 @dataclass
@@ -528,6 +556,15 @@ def run_replay(
                     c["blocks_stored"] += n_ok
                     c["bytes_stored"] += int(written) if written is not None else bs * n_ok
                 free_slots.extend(p.slots)
+            progress.show(bar_text())
+
+        def bar_text() -> str:
+            """What the bar shows: the summary's figures so far (stores count when they finish,
+            as in the summary), and the stores still in flight."""
+            storing = sum(1 for p in pending.values() if not p.is_load)
+            return (f"hit {c['blocks_hit'] / c['blocks_requested'] if c['blocks_requested'] else 0.0:.2%}, "
+                    f"loaded {format_bytes(c['bytes_loaded'])}, stored {format_bytes(c['bytes_stored'])}"
+                    + (f" (+{storing} store job{'s' if storing != 1 else ''} in flight)" if storing else ""))
 
         def poll() -> None:
             if pending:
@@ -625,10 +662,8 @@ def run_replay(
                     tier.submit_store(TransferJob(jid, p.keys, p.slots))
                     c["store_jobs"] += 1
                 poll()
-                progress.update(
-                    f"hit {c['blocks_hit'] / max(1, c['blocks_requested']):.1%} "
-                    f"load {format_bytes(c['bytes_loaded'])} store {format_bytes(c['bytes_stored'])}"
-                )
+                progress.show(bar_text())
+                progress.advance()
             while pending:
                 wait_some(1.0)
             tier.drain()
@@ -809,27 +844,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="trace file (.jsonl or .jsonl.gz, Mooncake format); default: the bundled "
         "Mooncake FAST'25 conversation trace",
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); one of: {presets}")
+    parser.add_argument("--model", metavar="NAME", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); one of: {presets}")
     parser.add_argument(
-        "--tokens-per-block", type=_positive_int, default=DEFAULT_TOKENS_PER_BLOCK,
+        "--tokens-per-block", metavar="N", type=_positive_int, default=DEFAULT_TOKENS_PER_BLOCK,
         help=f"tokens per engine block, a divisor of {TRACE_BLOCK_TOKENS} (default {DEFAULT_TOKENS_PER_BLOCK})",
     )
     parser.add_argument(
-        "--max-requests", default=str(DEFAULT_MAX_REQUESTS),
+        "--max-requests", metavar="N", default=str(DEFAULT_MAX_REQUESTS),
         help=f"replay only the first N requests; 'all' for the whole trace (default {DEFAULT_MAX_REQUESTS})",
     )
     parser.add_argument(
-        "--capacity", type=_size_arg, default=parse_size(DEFAULT_CAPACITY),
-        help=f"tier capacity, e.g. 8GiB, 8G, 500MB, or 'none' (default {DEFAULT_CAPACITY})",
+        "--capacity", metavar="SIZE", type=_size_arg, default=parse_size(DEFAULT_CAPACITY),
+        help=f"tier capacity: 8GiB or 8G (powers of 1024), 500MB (powers of 1000), or 'none' for "
+        f"unlimited (default {DEFAULT_CAPACITY})",
     )
     parser.add_argument(
-        "--root", default=None,
+        "--root", metavar="DIR", default=None,
         help="directory for the block files (kept); default: a new temporary directory, removed at the end",
     )
-    parser.add_argument("--engine", choices=("auto", "uring", "posix"), default="auto", help="data path engine (default auto)")
-    parser.add_argument("--arena", type=_size_arg, default=None, help="host arena size (default: auto)")
+    parser.add_argument("--engine", choices=("auto", "uring", "posix"), default="auto",
+                        help="I/O engine: uring (io_uring), posix (preadv/pwritev threads), or auto: "
+                        "uring where io_uring works, else posix (default auto)")
+    parser.add_argument("--arena", metavar="SIZE", type=_size_arg, default=None,
+                        help="host arena size (default: room for the largest request twice, "
+                        f"within {format_bytes(ARENA_SOFT_LIMIT_BYTES)}; never less than the largest request)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (it is shown only when stderr is a terminal, never with --json)")
 
 
 def run(args: argparse.Namespace) -> int:

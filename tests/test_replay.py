@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import sys
 
 import numpy as np
 import pytest
 
 from pykvtier import cli, models
-from pykvtier.replay import ReplayConfig, ReplayConfigError, block_key, run_replay
+from pykvtier.replay import ReplayConfig, ReplayConfigError, block_key, format_summary, run_replay
 from pykvtier.trace import Request, load_trace
 
 pytest.importorskip("pykvtier._native", reason="the native engine is not built")
@@ -239,3 +242,43 @@ def test_default_replay_on_nvme(root, capsys):
     assert rc == 0, d["error_samples"]
     assert d["verification_failures"] == 0 and d["errors"] == 0
     assert d["evictions"] > 0 and d["blocks_hit"] > 0
+
+
+class _Tty(io.StringIO):
+    def isatty(self):  # tqdm draws its bar only on a terminal
+        return True
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False])
+def test_progress_ends_on_the_summary_counts(root, monkeypatch, with_tqdm):
+    """The bar (or the fallback line without tqdm) ends on the summary's figures: the last
+    request's store job finishes after that request is counted, and still shows."""
+    from pykvtier.replay import format_bytes
+
+    if with_tqdm:
+        pytest.importorskip("tqdm")
+    else:
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` fails
+    err = _Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("COLUMNS", "1000")  # no truncated bar
+    spec = HANDMADE + [([7, 8, 9, 10], 0)]  # the last request stores 16 blocks
+    s = run_replay(_config(root, progress=True), _requests(spec))
+    assert s.ok, s.error_samples
+    # 44 blocks stored; 4 of them (request [6, 1]) were on disk already, so 40 written
+    assert s.requests == 7 and s.blocks_stored == 28 + 16 and s.bytes_stored == 40 * TINY_BS
+    out = err.getvalue()
+    last = [seg for seg in re.split(r"[\r\n]", out) if seg.strip()][-1]
+    want = (f"hit {s.block_hit_ratio:.2%}, loaded {format_bytes(s.bytes_loaded)}, "
+            f"stored {format_bytes(s.bytes_stored)}")
+    if with_tqdm:
+        assert re.search(r"\| 7/7 \[", last), last
+        assert last.rstrip().endswith(want + "]"), last
+    else:
+        assert last == f"replay: 7/7 requests  {want}"
+    assert "in flight" not in last
+    # the same figures as the text summary
+    text = format_summary(s)
+    assert f"hit ratio   blocks {s.block_hit_ratio:.2%}" in text
+    assert f"loaded      {format_bytes(s.bytes_loaded)} in" in text
+    assert f"stored      {format_bytes(s.bytes_stored)} in" in text
