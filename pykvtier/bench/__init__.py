@@ -13,7 +13,7 @@ for the same job. Modules:
 
 Examples::
 
-    pykvtier bench bench/kv-read-2m.fio
+    pykvtier bench bench/kv-randread-2m-qd32.fio
     pykvtier bench --directory=/var/tmp/kvbench --direct=1 --ioengine=io_uring \\
         --name=r --rw=randread --bs=2m --size=512m --nrfiles=256 --iodepth=32
     pykvtier bench --output-format=json bench/kv-promote.fio > out.json
@@ -51,7 +51,9 @@ and one section per job; command line: --name=NAME starts a job, options before 
 
 ioengine: pykvtier-uring (io_uring, default), pykvtier-posix, pykvtier-gds; fio's io_uring /
 psync / libcufile are read as these, so one job file runs under both tools.
-rw: read, write, randread, randwrite, rw, randrw (fio's), promote and lookup (KV workloads).
+rw: read, write, randread, randwrite, rw, randrw (fio's), promote and lookup (KV workloads:
+bench/kv-promote.fio, bench/kv-lookup.fio). cpu: usr/sys as in fio, percent of the job's runtime
+(above 100 % when several threads work), with CPU time per GiB moved (cpu/GiB) or per key (cpu/key).
 Exit status: 0 when every job succeeded, 1 when a job failed, 2 for an unusable job option.
 """
 
