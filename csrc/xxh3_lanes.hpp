@@ -1,7 +1,10 @@
 // XXH3-64 (seed 0, default secret) of inputs longer than 240 bytes, written as eight independent
-// 64-bit lanes so that a GPU can run it with one thread per lane (csrc/gds_verify.cu), and the
-// same arithmetic on the host as a reference (tested against xxhash's XXH3_64bits in
-// tests/test_xxh3_lanes.py through _native._xxh3_lanes).
+// 64-bit lanes so that a GPU can run it with one thread per lane (csrc/gds_verify.cu). The kernel's
+// schedule (whole XXH3 blocks staged in 16 KiB chunks and read there as 64-bit words, the tail
+// read from the input itself) is written here once, as __host__ __device__ functions, and run on
+// the host by hash_long_lanes(): _native._xxh3_lanes, which tests/test_gpu_dispatch.py compares
+// with xxhash's XXH3_64bits over lengths that cross every chunk and tail boundary. So only the
+// kernel's staging copy, its barriers and its lane shuffle are left to the GPU tests.
 //
 // XXH3's long-input loop keeps 8 accumulators. A stripe is 64 input bytes: word w (8 bytes,
 // little-endian) of a stripe adds itself to accumulator w^1 and the 32x32->64 product of its two
@@ -13,11 +16,22 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define PYKV_HD __host__ __device__ __forceinline__
 #else
 #define PYKV_HD inline
+#endif
+#if defined(__CUDA_ARCH__)  // (the device pass of nvcc; host compilers would warn)
+#define PYKV_UNROLL _Pragma("unroll")
+#else
+#define PYKV_UNROLL
+#endif
+
+// Staged chunks are read as native 64-bit words: little-endian, as on x86-64, aarch64 and GPUs.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "xxh3_lanes.hpp reads staged input as little-endian 64-bit words"
 #endif
 
 namespace pykvtier::xxh3 {
@@ -117,15 +131,40 @@ PYKV_HD uint64_t merge(const uint64_t acc[8], const uint8_t* secret, uint64_t le
 PYKV_HD size_t full_blocks(size_t len) { return (len - 1) / kBlock; }
 PYKV_HD size_t tail_stripes(size_t len) { return ((len - 1) - kBlock * full_blocks(len)) / kStripe; }
 
-// Runs one lane over [block_begin, block_end) whole blocks of `in` (each followed by a scramble).
-PYKV_HD uint64_t lane_blocks(uint64_t acc, unsigned lane, const uint8_t* in, size_t block_begin,
-                             size_t block_end, const uint8_t* secret) {
-  for (size_t b = block_begin; b < block_end; ++b) {
-    const uint8_t* blk = in + b * kBlock;
+// --- The device kernel's schedule -------------------------------------------------------------
+// The whole blocks are staged (copied) kChunkBlocks at a time into an aligned buffer (the kernel's
+// shared memory) and read there as 64-bit words; chunk c holds blocks [16c, 16c + chunk_blocks).
+inline constexpr size_t kChunkBlocks = 16;
+inline constexpr size_t kChunkBytes = kChunkBlocks * kBlock;  // 16 KiB
+
+PYKV_HD size_t chunk_count(size_t len) { return (full_blocks(len) + kChunkBlocks - 1) / kChunkBlocks; }
+PYKV_HD size_t chunk_blocks(size_t len, size_t c) {
+  const size_t left = full_blocks(len) - c * kChunkBlocks;
+  return left < kChunkBlocks ? left : kChunkBlocks;
+}
+
+// The secret words one lane uses for every whole block: one per stripe, and the scramble key.
+struct LaneKeys {
+  uint64_t stripe[kStripesPerBlock];
+  uint64_t scramble;
+};
+
+PYKV_HD void lane_keys(unsigned lane, const uint8_t* secret, LaneKeys& k) {
+  PYKV_UNROLL
+  for (size_t s = 0; s < kStripesPerBlock; ++s) k.stripe[s] = read_le64(secret + s * 8 + 8 * lane);
+  k.scramble = read_le64(secret + kSecretSize - kStripe + 8 * lane);
+}
+
+// One lane over nb whole blocks staged as 64-bit words (each block followed by a scramble).
+PYKV_HD uint64_t lane_staged_blocks(uint64_t acc, unsigned lane, const uint64_t* words, size_t nb,
+                                    const LaneKeys& k) {
+  constexpr size_t kWordsPerStripe = kStripe / 8, kWordsPerBlock = kBlock / 8;
+  for (size_t b = 0; b < nb; ++b) {
+    const uint64_t* blk = words + b * kWordsPerBlock;
+    PYKV_UNROLL
     for (size_t s = 0; s < kStripesPerBlock; ++s)
-      acc = accumulate(acc, read_le64(blk + s * kStripe + 8 * lane),
-                       read_le64(blk + s * kStripe + 8 * (lane ^ 1)), read_le64(secret + s * 8 + 8 * lane));
-    acc = scramble(acc, read_le64(secret + kSecretSize - kStripe + 8 * lane));
+      acc = accumulate(acc, blk[s * kWordsPerStripe + lane], blk[s * kWordsPerStripe + (lane ^ 1)], k.stripe[s]);
+    acc = scramble(acc, k.scramble);
   }
   return acc;
 }
@@ -144,15 +183,23 @@ PYKV_HD uint64_t lane_tail(uint64_t acc, unsigned lane, const uint8_t* in, size_
                     read_le64(key + 8 * lane));
 }
 
-// Host reference: the whole hash, lane by lane. len must be >= kMinLength.
+// Host reference: the whole hash on one thread, on the kernel's schedule (chunks staged as the
+// kernel's loaders do, then each lane over them, then the tails and the merge). len >= kMinLength.
 inline uint64_t hash_long_lanes(const uint8_t* in, size_t len) {
   static const uint8_t secret[kSecretSize] = PYKV_XXH3_SECRET_BYTES;
+  alignas(16) uint64_t stage[kChunkBytes / 8];
   uint64_t acc[8];
+  LaneKeys keys[8];
   for (unsigned lane = 0; lane < 8; ++lane) {
-    uint64_t a = init_acc(lane);
-    a = lane_blocks(a, lane, in, 0, full_blocks(len), secret);
-    acc[lane] = lane_tail(a, lane, in, len, secret);
+    acc[lane] = init_acc(lane);
+    lane_keys(lane, secret, keys[lane]);
   }
+  for (size_t c = 0, n = chunk_count(len); c < n; ++c) {
+    const size_t nb = chunk_blocks(len, c);
+    std::memcpy(stage, in + c * kChunkBytes, nb * kBlock);
+    for (unsigned lane = 0; lane < 8; ++lane) acc[lane] = lane_staged_blocks(acc[lane], lane, stage, nb, keys[lane]);
+  }
+  for (unsigned lane = 0; lane < 8; ++lane) acc[lane] = lane_tail(acc[lane], lane, in, len, secret);
   return merge(acc, secret, len);
 }
 

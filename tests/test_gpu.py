@@ -166,7 +166,10 @@ def test_promoter_into_device_slots(root):
 # ------------------------------------------------------------------ the gds engine itself
 
 
-@pytest.mark.parametrize("length", [200, 241, 1000, 4096, 65536 + 4096, 1 << 20, (1 << 20) + 8])
+# (16400: exactly one staged chunk of 16 XXH3 blocks, then only the last stripe; 17408: one chunk
+# and 15 tail stripes; 32784: two chunks, the second double-buffered)
+@pytest.mark.parametrize("length", [200, 241, 1000, 4096, 16400, 17408, 32784, 65536 + 4096, 1 << 20,
+                                    (1 << 20) + 8, 2 << 20])
 def test_gds_checksums_agree_with_the_host(root, length):
     """Blocks the gds engine writes (device checksum) read back through the io_uring engine (host
     XXH3), and the other way round: the device kernel computes XXH3-64 exactly."""

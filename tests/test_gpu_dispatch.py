@@ -493,12 +493,148 @@ def test_promoter_targets_device_slots(root, aligned, fake_gpu):
 
 
 def test_xxh3_lane_formulation_matches_xxhash():
+    """_native._xxh3_lanes runs the device kernel's arithmetic and chunk schedule (xxh3_lanes.hpp:
+    16 XXH3 blocks of 1 KiB staged per chunk, then the tail) on the host: it must be XXH3-64 at
+    every boundary of blocks, tail stripes and chunks, or the GPU would quarantine good blocks."""
     rng = np.random.default_rng(0)
-    for n in (241, 256, 1023, 1024, 1025, 1088, 4096 + 7, 65536, 2 << 20):
-        b = rng.integers(0, 256, n, dtype=np.uint8)
-        assert _native._xxh3_lanes(b) == _native.xxh3_64(b), n
+    kib = 1024
+    lengths = {241, 255, 256, 257, 1023, 1024, 1025, 1088, 1089, 2048, 2049, 4096 + 7, 65536, 2 << 20,
+               (2 << 20) + 8, (2 << 20) - 8}
+    for blocks in (15, 16, 17, 31, 32, 33, 48, 64):  # whole blocks around one, two, three chunks
+        for extra in (0, 1, 63, 64, 65, kib - 1):
+            lengths.add(blocks * kib + extra)
+    lengths |= {int(n) for n in rng.integers(241, 80 * kib, 40)}
+    data = rng.integers(0, 256, (2 << 20) + 64, dtype=np.uint8)
+    for n in sorted(lengths):
+        for off in (0, 16, 3):  # the host reference takes any alignment (the kernel: 16 bytes)
+            b = data[off:off + n]
+            assert _native._xxh3_lanes(b) == _native.xxh3_64(b), (n, off)
+    # a flipped bit anywhere (first block, a chunk boundary, the last stripe) changes the hash
+    b = data[:(33 * kib) + 100].copy()
+    h = _native._xxh3_lanes(b)
+    for pos in (0, 16 * kib - 1, 16 * kib, 32 * kib + 5, len(b) - 1):
+        b[pos] ^= 1
+        assert _native._xxh3_lanes(b) == _native.xxh3_64(b) != h, pos
+        b[pos] ^= 1
     with pytest.raises(ValueError):
         _native._xxh3_lanes(b[:240])
+
+
+# The CUDA names csrc/gds_verify.cu uses, for compiling it as plain C++: one thread per CUDA
+# thread (256 std::threads per CUDA block, the blocks one after the other), __syncthreads as a
+# std::barrier, __shared__ as a static, the lane shuffle through a slot array.
+_FAKE_CUDA_RUNTIME = r"""
+#pragma once
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __constant__
+#define __shared__ static
+#define __launch_bounds__(n)
+#define __align__(n) __attribute__((aligned(n)))
+struct uint4 { uint32_t x, y, z, w; };
+struct dim3_ { unsigned x; };
+inline thread_local dim3_ threadIdx, blockIdx;
+using cudaStream_t = void*;
+inline int cudaGetLastError() { return 0; }
+inline std::barrier<>* pykv_block_barrier;
+inline std::barrier<>* pykv_lane_barrier;
+inline uint64_t pykv_lane_slots[32];
+inline void __syncthreads() { pykv_block_barrier->arrive_and_wait(); }
+inline uint64_t __shfl_sync(unsigned mask, uint64_t v, int src) {
+  if (mask != 0xFFu) std::abort();  // (only the 8 XXH3 lanes shuffle)
+  pykv_lane_slots[threadIdx.x] = v;
+  pykv_lane_barrier->arrive_and_wait();
+  const uint64_t r = pykv_lane_slots[src];
+  pykv_lane_barrier->arrive_and_wait();
+  return r;
+}
+template <class... A>
+void pykv_launch(void (*kernel)(A...), unsigned blocks, unsigned threads, A... args) {
+  for (unsigned b = 0; b < blocks; ++b) {
+    std::barrier<> all(threads), lanes(8);
+    pykv_block_barrier = &all;
+    pykv_lane_barrier = &lanes;
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < threads; ++t)
+      ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = b; kernel(args...); });
+    for (auto& th : ts) th.join();
+  }
+}
+"""
+
+_EMULATION_MAIN = r"""
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#include <cstdio>
+#include <cstdlib>
+int main(int argc, char** argv) {
+  using namespace pykvtier::gds;
+  std::vector<HashTask> tasks;
+  std::vector<uint8_t*> bufs;
+  for (int i = 1; i < argc; ++i) {
+    const uint64_t n = std::strtoull(argv[i], nullptr, 10);
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(16, (n + 15) / 16 * 16));
+    for (uint64_t k = 0; k < n; ++k) p[k] = uint8_t((k * 2654435761u + i * 40503u) >> 7);
+    tasks.push_back({p, n});
+    bufs.push_back(p);
+  }
+  std::vector<uint64_t> out(tasks.size(), 0);
+  if (launch_xxh3_long(tasks.data(), out.data(), unsigned(tasks.size()), nullptr) != 0) return 2;
+  int bad = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const uint64_t want = XXH3_64bits(tasks[i].ptr, tasks[i].len);
+    std::printf("%llu %016llx %016llx%s\n", (unsigned long long)tasks[i].len, (unsigned long long)out[i],
+                (unsigned long long)want, out[i] == want ? "" : " MISMATCH");
+    bad += out[i] != want;
+  }
+  return bad ? 1 : 0;
+}
+"""
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "tsan"])
+def test_device_checksum_kernel_source_emulated_on_the_cpu(tmp_path, sanitize):
+    """csrc/gds_verify.cu itself (its staging copy, double buffering, barriers and lane shuffle),
+    compiled as C++ with CUDA's names emulated by threads, gives XXH3-64; under ThreadSanitizer a
+    chunk read while the loaders overwrite it would be reported as a data race."""
+    import re
+    import shutil
+    import subprocess
+
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = open(os.path.join(repo, "csrc", "gds_verify.cu")).read()
+    src, n = re.subn(r"(\w+)<<<\s*([^,]+),\s*([^,]+),.*?>>>\(([^)]*)\);", r"pykv_launch(\1, \2, \3, \4);", src)
+    assert n == 1, "the kernel launch in gds_verify.cu was not recognised"
+    (tmp_path / "cuda_runtime.h").write_text(_FAKE_CUDA_RUNTIME)
+    (tmp_path / "emul.cpp").write_text(src + _EMULATION_MAIN)
+    flags = ["-fsanitize=thread", "-O1", "-g"] if sanitize else ["-O2"]
+    cmd = [cxx, "-std=c++20", "-pthread", *flags, "-I", str(tmp_path), "-I", os.path.join(repo, "csrc"),
+           str(tmp_path / "emul.cpp"), "-o", str(tmp_path / "emul")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        if "xxhash.h" in r.stderr or (sanitize and "tsan" in r.stderr.lower()):
+            pytest.skip(f"cannot build the emulation here: {r.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(r.stderr)
+    kib = 1024
+    # 0, 1, 2 and several chunks of whole blocks (16 per chunk, double-buffered), each with and
+    # without tail stripes; the tsan run keeps to the shorter ones (it is ~10x slower)
+    lengths = [241, 1000, 1024, 1025, 16 * kib, 16 * kib + 1, 16 * kib + 80, 17 * kib, 32 * kib + 1,
+               33 * kib + 700, 48 * kib + 1]
+    if not sanitize:
+        lengths += [65536 + 4096, 1 << 20, (2 << 20) + 8]
+    r = subprocess.run([str(tmp_path / "emul"), *map(str, lengths)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "WARNING: ThreadSanitizer" not in r.stderr, r.stdout + r.stderr[-4000:]
+    assert len(r.stdout.splitlines()) == len(lengths)
 
 
 def test_gds_engine_plumbing_without_a_gpu(tmp_path):
