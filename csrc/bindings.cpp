@@ -30,7 +30,7 @@ std::string hex(uint64_t v) {
 // Converts Python entries into a Job, validating every entry before anything is queued.
 //   read / write:   (path, file_offset, length, host_addr[, rename_target])
 //   read_block:     (path, payload_length, host_addr, key_digest16)
-//   write_block:    (tmp_path, final_path, payload_length, host_addr, key_digest16)
+//   write_block:    (tmp_path, final_path, payload_length, host_addr, key_digest16[, recycle_path])
 //   unlink:         (path,) or path
 std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::sequence& entries,
                               bool direct, uint32_t align, uint32_t mem_align, bool fsync) {
@@ -77,6 +77,8 @@ py::dict stats_dict(Engine& e) {
   d["fixed_buffer_ios"] = s.fixed_buffer_ios.load();
   d["verify_failures"] = s.verify_failures.load();
   d["rename_existing"] = s.rename_existing.load();
+  d["recycled"] = s.recycled.load();
+  d["recycle_failures"] = s.recycle_failures.load();
   d["buffer_registration_failures"] = s.buffer_registration_failures.load();
   d["buffer_registration_errno"] = s.buffer_registration_errno.load();
   return d;
@@ -203,7 +205,10 @@ run() uses a ring of the calling thread's own. Thread-safe; every wait releases 
 Entry tuples per op:
   read / write:  (path, file_offset, length, host_addr[, rename_target (write only)])
   read_block:    (path, payload_length, host_addr, key_digest: 16 bytes)
-  write_block:   (tmp_path, final_path, payload_length, host_addr, key_digest: 16 bytes)
+  write_block:   (tmp_path, final_path, payload_length, host_addr, key_digest: 16 bytes
+                  [, recycle_path]): recycle_path, if not "", names an evicted block file of
+                  the same size that is renamed to tmp_path and overwritten instead of
+                  creating tmp_path (unlinked afterwards if it cannot be renamed)
   unlink:        path
 Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
 )doc")
@@ -314,7 +319,9 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
       .def("pending_jobs", &Engine::pending_jobs, "Jobs submitted and not yet finished.")
       .def("stats", &stats_dict,
            "Counters: submits (io_uring_submit calls carrying SQEs), sqes, cqes, jobs_*, requests_*,\n"
-           "bytes_read, bytes_written, fixed_buffer_ios, verify_failures, rename_existing.")
+           "bytes_read, bytes_written, fixed_buffer_ios, verify_failures, rename_existing,\n"
+           "recycled (files reused by write_block), recycle_failures (files to recycle that could\n"
+           "be neither renamed nor removed).")
       .def_property_readonly("queue_depth", [](Engine& e) { return e.config().queue_depth; })
       .def_property_readonly("max_inflight_bytes", [](Engine& e) { return e.config().max_inflight_bytes; });
 }

@@ -4,7 +4,8 @@
 //
 //   read / write:  (path, file_offset, length, addr[, rename_target (write only)])
 //   read_block:    (path, payload_length, addr, key_digest: 16 bytes)
-//   write_block:   (tmp_path, final_path, payload_length, addr, key_digest: 16 bytes)
+//   write_block:   (tmp_path, final_path, payload_length, addr, key_digest: 16 bytes
+//                   [, recycle_path: an evicted block file to reuse, or "" (io_uring engine)])
 //   unlink:        path, or (path,)
 #pragma once
 
@@ -85,7 +86,16 @@ void parse_entries(Job& job, const std::string& op_s, const pybind11::sequence& 
         digest(t[3]);
         break;
       case Op::WriteBlock:
-        need(5);
+        if (t.size() == 6) {
+          std::string recycle = t[5].cast<std::string>();
+          if constexpr (requires { r.recycle; }) {
+            r.recycle = std::move(recycle);
+          } else if (!recycle.empty()) {
+            entry_error(i, t[0].cast<std::string>(), "this engine does not recycle block files");
+          }
+        } else {
+          need(5);
+        }
         r.path = t[0].cast<std::string>();
         r.target = t[1].cast<std::string>();
         r.length = t[2].cast<uint64_t>();

@@ -34,6 +34,7 @@ enum Stage : uint64_t {
   kClose = 4,
   kRename = 5,
   kUnlink = 6,
+  kRecycle = 7,  // rename of a recycled file to the temporary name (not an error of the request)
 };
 constexpr uint64_t kStageBits = 3;
 constexpr uint64_t kWakeTag = ~0ull;
@@ -110,9 +111,10 @@ FinishedJob make_finished(Job& job) {
 
 Ring::Ring(Engine& engine, unsigned depth, int wake_fd, bool single_issuer)
     : engine_(engine), depth_(depth), wake_fd_(wake_fd) {
-  // Each request takes at most 5 SQEs (open, header, data, fsync, close) plus a follow-up.
+  // Each request takes at most 6 SQEs (recycle rename, open, header, data, fsync, close) plus
+  // a follow-up.
   unsigned entries = 8;
-  while (entries < depth * 6 + 2) entries <<= 1;
+  while (entries < depth * 7 + 2) entries <<= 1;
   // A worker's ring lives and dies with its thread: let the kernel run completion work only
   // when that thread waits (SINGLE_ISSUER + DEFER_TASKRUN, Linux 6.1). Rings of run() may be
   // reused by a later thread, so they only run completion work cooperatively (5.19). Older
@@ -267,6 +269,7 @@ unsigned Ring::issue(Job& job) {
     c.phase = 0;
     c.err = 0;
     c.err_stage = 99;
+    c.recycle_res = 0;
     c.moved = 0;
     r.issue_time = now;
     ++job.next;
@@ -304,15 +307,24 @@ void Ring::prep_chain(uint32_t slot) {
   const bool write = op_is_write(job.op);
   const bool block = job.op == Op::ReadBlock || job.op == Op::WriteBlock;
   const uint64_t data_off = block ? kHeaderBytes : r.offset;
+  const bool recycle = job.op == Op::WriteBlock && !r.recycle.empty();
   int flags = write ? O_WRONLY | O_CREAT : O_RDONLY;
-  if (write && !r.target.empty()) flags |= O_EXCL;
+  // A fresh temporary must be new (O_EXCL); a recycled one is ours by name already.
+  if (write && !r.target.empty() && !recycle) flags |= O_EXCL;
   if (job.direct) flags |= O_DIRECT;
   // (O_CLOEXEC is refused for direct descriptors: they are never in the fd table.)
   if (job.op == Op::WriteBlock) fill_header(c.header, r);
 
-  // open -> [header] -> data -> [fsync] -> close, hard-linked so that the close
-  // always runs and every stage reports its own result.
-  io_uring_sqe* sqe = get_sqe();
+  // [recycle rename] -> open -> [header] -> data -> [fsync] -> close, hard-linked so that the
+  // close always runs and every stage reports its own result.
+  io_uring_sqe* sqe;
+  if (recycle) {
+    sqe = get_sqe();
+    io_uring_prep_renameat(sqe, AT_FDCWD, r.recycle.c_str(), AT_FDCWD, r.path.c_str(),
+                           RENAME_NOREPLACE);
+    finish_sqe(sqe, kRecycle, IOSQE_IO_HARDLINK);
+  }
+  sqe = get_sqe();
   io_uring_prep_openat_direct(sqe, AT_FDCWD, r.path.c_str(), flags, 0644, slot);
   if (skip_open_cqe_) {
     // A successful open posts no CQE; a failed one does (before the rest of its chain's).
@@ -370,7 +382,7 @@ void Ring::prep_followup(uint32_t slot, uint8_t phase) {
                            RENAME_NOREPLACE);
     io_uring_sqe_set_data64(sqe, encode(slot, kRename));
   } else {
-    io_uring_prep_unlinkat(sqe, AT_FDCWD, r.path.c_str(), 0);
+    io_uring_prep_unlinkat(sqe, AT_FDCWD, (phase == 5 ? r.recycle : r.path).c_str(), 0);
     io_uring_sqe_set_data64(sqe, encode(slot, kUnlink));
   }
   ++c.pending;
@@ -478,21 +490,32 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
       break;
     case kUnlink:
       if (job.op == Op::Unlink && res < 0) record_error(c, st, res);
+      if (c.phase == 5 && res < 0 && res != -ENOENT) engine_.stats().recycle_failures++;
+      break;
+    case kRecycle:
+      c.recycle_res = res;
+      if (res == 0) engine_.stats().recycled++;
       break;
   }
   if (--c.pending > 0) return;
 
   // The chain (or follow-up) is complete.
   const bool tmp_write = op_is_write(job.op) && job.op != Op::Unlink && !r.target.empty();
-  if (tmp_write && c.phase == 0 && !(c.err != 0 && c.err_stage == kOpen)) {
+  const bool recycled = job.op == Op::WriteBlock && !r.recycle.empty() && c.recycle_res == 0;
+  if (tmp_write && c.phase == 0 && !(c.err != 0 && c.err_stage == kOpen && !recycled)) {
     // Rename into place, or remove our temporary (not when the open failed: then the file,
-    // if any, is not ours).
+    // if any, is not ours -- unless it is the recycled file we renamed there).
     prep_followup(slot, c.err == 0 ? 1 : 2);
     return;
   }
   if (tmp_write && c.phase == 3) {
     prep_followup(slot, 2);
     c.phase = 4;  // unlink of a duplicate temporary: success whatever it returns
+    return;
+  }
+  if (job.op == Op::WriteBlock && !r.recycle.empty() && c.recycle_res < 0 &&
+      c.recycle_res != -ENOENT && c.phase != 5) {
+    prep_followup(slot, 5);  // the file to recycle stayed where it was: remove it
     return;
   }
   finish(slot, finished);

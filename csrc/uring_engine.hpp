@@ -39,6 +39,11 @@ bool op_is_write(Op op);
 struct Request {
   std::string path;
   std::string target;  // writes: rename path -> target (RENAME_NOREPLACE) once written
+  // write_block: an evicted block file of the same size to reuse instead of creating one. It is
+  // renamed to path first (RENAME_NOREPLACE) and overwritten in place, which spares the file
+  // system an inode and extent allocation (and the freeing of the evicted file). If it cannot
+  // be renamed (other than: it is gone) path is created afresh and it is unlinked afterwards.
+  std::string recycle;
   uint64_t offset = 0;
   uint64_t length = 0;
   uint64_t addr = 0;
@@ -82,6 +87,7 @@ struct EngineStats {
   std::atomic<uint64_t> bytes_read{0}, bytes_written{0};
   std::atomic<uint64_t> fixed_buffer_ios{0}, verify_failures{0}, rename_existing{0};
   std::atomic<uint64_t> buffer_registration_failures{0};
+  std::atomic<uint64_t> recycled{0}, recycle_failures{0};  // reused files; victims left behind
   std::atomic<int> buffer_registration_errno{0};
 };
 
@@ -125,7 +131,8 @@ class Ring {
     Job* job = nullptr;
     uint32_t index = 0;
     uint8_t pending = 0;
-    uint8_t phase = 0;  // 0 main chain, 1 rename, 2 cleanup unlink
+    uint8_t phase = 0;  // 0 main chain, 1 rename, 2 cleanup unlink, 5 unlink of a recycle victim
+    int32_t recycle_res = 0;  // result of renaming the recycled file into place
     int64_t err = 0;
     int err_stage = 99;
     uint64_t moved = 0;

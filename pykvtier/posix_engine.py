@@ -86,6 +86,7 @@ class PosixEngine(FinishedJobsQueue):
             ("submits", "sqes", "cqes", "jobs_submitted", "jobs_finished", "requests_ok",
              "requests_failed", "bytes_read", "bytes_written", "fixed_buffer_ios",
              "verify_failures", "rename_existing", "buffer_registration_failures",
+             "recycled", "recycle_failures",
              "buffer_registration_errno"), 0)
 
     # --- the Engine interface ------------------------------------------------------------
@@ -171,15 +172,19 @@ class PosixEngine(FinishedJobsQueue):
             if op in ("read", "write"):
                 path, offset, length, addr = e[:4]
                 target = e[4] if len(e) == 5 and op == "write" else ""
-                r = (path, offset, length, addr, target, None)
+                r = (path, offset, length, addr, target, None, "")
             elif op == "read_block":
                 path, length, addr, digest = e
                 offset, target = 0, ""
-                r = (path, 0, length, addr, "", digest)
+                r = (path, 0, length, addr, "", digest, "")
             else:
-                path, target, length, addr, digest = e
+                path, target, length, addr, digest = e[:5]
+                recycle = e[5] if len(e) == 6 else ""
+                if len(e) not in (5, 6):
+                    raise ValueError(f"entry {i}: expected a tuple of 5 or 6 items for op "
+                                     f"'write_block', got {len(e)}")
                 offset = 0
-                r = (path, 0, length, addr, target, digest)
+                r = (path, 0, length, addr, target, digest, recycle)
             if length <= 0:
                 raise ValueError(f"entry {i} ({path}): length is 0")
             if direct:
@@ -197,11 +202,14 @@ class PosixEngine(FinishedJobsQueue):
             if op == "unlink":
                 os.unlink(r[0])
                 return 0
-            path, offset, length, addr, target, digest = r
+            path, offset, length, addr, target, digest, recycle = r
             block = digest is not None
             flags = os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if direct else 0)
             if op in ("read", "read_block"):
                 return self._read(path, offset, length, addr, digest, flags)
+            if recycle:
+                return self._recycle_write(path, length, addr, target, digest, flags, fsync,
+                                           recycle)
             return self._write(path, offset, length, addr, target, digest if block else None,
                                flags, fsync)
         except OSError as exc:
@@ -242,9 +250,40 @@ class PosixEngine(FinishedJobsQueue):
             self._stats["verify_failures"] += 1
         return res
 
-    def _write(self, path, offset, length, addr, target, digest, flags, fsync) -> int:
+    def _recycle_write(self, path, length, addr, target, digest, flags, fsync, recycle) -> int:
+        """write_block over an evicted block file (as the io_uring engine's recycle_path): the
+        file is renamed to the temporary name and overwritten; if it cannot be renamed (other
+        than: it is gone) the temporary is created afresh and the file removed afterwards."""
+        renamed = failed = False
+        try:
+            os.rename(recycle, path)  # path is this process's own fresh temporary name
+            renamed = True
+            with self._mu:
+                self._stats["recycled"] += 1
+        except FileNotFoundError:
+            pass
+        except OSError:
+            failed = True
+        try:
+            return self._write(path, 0, length, addr, target, digest, flags, fsync, own=True)
+        except OSError:
+            if renamed:
+                _unlink_quiet(path)  # the recycled file is ours: do not leave it behind
+            raise
+        finally:
+            if failed:
+                try:
+                    os.unlink(recycle)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    with self._mu:
+                        self._stats["recycle_failures"] += 1
+
+    def _write(self, path, offset, length, addr, target, digest, flags, fsync,
+               own: bool = False) -> int:
         src = _view(addr, length)
-        oflags = os.O_WRONLY | os.O_CREAT | flags | (os.O_EXCL if target else 0)
+        oflags = os.O_WRONLY | os.O_CREAT | flags | (os.O_EXCL if target and not own else 0)
         fd = os.open(path, oflags, 0o644)
         try:
             if digest is not None:

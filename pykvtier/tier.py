@@ -104,6 +104,7 @@ class _Pending:
     keys: list[bytes]  # keys handed to the engine, in entry order
     digests: list[bytes]
     done: dict[bytes, str | None]  # keys settled before the engine: None = ok, str = failure
+    victims: list[bytes] = field(default_factory=list)  # evicted blocks whose files it reuses
 
 
 _ERR_TEXT = {
@@ -182,6 +183,13 @@ class DiskTier:
         track_removals: remember the digests of blocks that stop being loadable (evicted, or
             their load failed) for :meth:`take_removed`, e.g. to announce removals to an
             engine's KV events. Off by default (the list would grow unread).
+        recycle: when a store needs room, reuse the evicted block's file for the new block
+            (renamed to the new block's temporary name and overwritten in place, then renamed
+            into place as any store) instead of unlinking it and creating a file: the file
+            system allocates and frees no inode or extent (several times less CPU per store
+            under eviction churn on ext4). Never with ``shared=True`` (another process may be
+            reading the evicted file) nor for device arenas; blocks evicted for other reasons
+            (start-up over capacity, unreadable files) are unlinked.
 
     Raises ValueError for a bad block size, an unusable root, or io_uring being unavailable.
     """
@@ -202,6 +210,7 @@ class DiskTier:
         arena: Any = None,
         track_removals: bool = False,
         device_path: Any = "auto",
+        recycle: bool = True,
     ) -> None:
         if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
             raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
@@ -220,6 +229,8 @@ class DiskTier:
         self.file_bytes = block_size_bytes + HEADER_BYTES
         self.capacity_bytes = capacity_bytes
         self.shared = shared
+        self.recycle = bool(recycle) and not shared
+        self._recycle_failures_seen = 0
         self.fsync = fsync
         self.probe_ttl_s = probe_ttl_s
         self.layout = Layout(root_dir)
@@ -231,7 +242,7 @@ class DiskTier:
                 "load_failures", "store_failures", "verify_failures", "quarantined",
                 "evictions", "eviction_failures", "capacity_rejections", "probes",
                 "probe_hits", "stale_temporaries_removed", "direct_fallbacks",
-                "blocks_of_other_size",
+                "blocks_of_other_size", "evictions_recycled",
             ),
             0,
         )
@@ -540,7 +551,8 @@ class DiskTier:
                     pend.done[key] = None
                     self._stats["stores_skipped_present"] += 1
                 continue
-            if not self._reserve():
+            room = self._reserve(recycle=True)
+            if room is False:
                 pend.done[key] = "no capacity: every block is in use"
                 self._stats["capacity_rejections"] += 1
                 continue
@@ -549,8 +561,12 @@ class DiskTier:
             self._probe_misses.pop(digest, None)
             pend.keys.append(key)
             pend.digests.append(digest)
-            entries.append((self.layout.tmp_path(digest), self.layout.block_path(digest),
-                            self.block_size_bytes, self._arena.slot_addr(int(slot)), digest))
+            entry = (self.layout.tmp_path(digest), self.layout.block_path(digest),
+                     self.block_size_bytes, self._arena.slot_addr(int(slot)), digest)
+            if room is not True:  # an evicted block's file to reuse
+                pend.victims.append(room)
+                entry += (self.layout.block_path(room),)
+            entries.append(entry)
         self._stats["stores_submitted"] += 1
         self._dispatch(pend, "write_block", entries)
 
@@ -565,16 +581,38 @@ class DiskTier:
             self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
                                 mem_align=self.mem_align, fsync=self.fsync)
         except Exception:
+            for v in pend.victims:  # their files were not touched: blocks again
+                e = self._index.get(v)
+                if e is not None and e.state is _State.REMOVING:
+                    e.state = _State.PRESENT
+                    self._lru[v] = None
+                    self._lru.move_to_end(v, last=False)
+                    self._used_bytes += self.file_bytes
+            pend.victims.clear()
             self._settle(pend, [-errno.EIO] * len(entries))  # undo the bookkeeping
             raise
         self._pending[eid] = pend
         self._job_ids.add(job_id)
 
-    def _reserve(self) -> bool:
-        """Makes room for one block file; False if capacity is exhausted by blocks in use."""
+    def _reserve(self, recycle: bool = False) -> bool | bytes:
+        """Makes room for one block file: True (room), False (capacity exhausted by blocks in
+        use), or, with ``recycle`` where the tier recycles, the digest of the evicted block
+        whose file the new block takes over (its bytes stay counted)."""
         if self.capacity_bytes is None or self._used_bytes + self.file_bytes <= self.capacity_bytes:
             self._used_bytes += self.file_bytes
             return True
+        if recycle and self.recycle and self.device_path is None:
+            for digest in self._lru:
+                e = self._index[digest]
+                if e.readers or digest in self._loading:
+                    continue
+                del self._lru[digest]
+                e.state = _State.REMOVING  # until the store that reuses its file finished
+                self._stats["evictions"] += 1
+                self._stats["evictions_recycled"] += 1
+                if self._removed is not None:
+                    self._removed.append(digest)
+                return digest
         self._evict(self._used_bytes + self.file_bytes - self.capacity_bytes)
         if self._used_bytes + self.file_bytes <= self.capacity_bytes:
             self._used_bytes += self.file_bytes
@@ -675,6 +713,17 @@ class DiskTier:
                     logger.warning("pykvtier: storing %s failed: %s",
                                    self.layout.block_path(digest), _describe(res))
             pend.done[key] = None if ok else _describe(res)
+        for v in pend.victims:  # renamed away and reused, or removed by the engine
+            e = self._index.get(v)
+            if e is not None and e.state is _State.REMOVING:
+                del self._index[v]
+        if pend.victims:
+            failures = self._engine.stats().get("recycle_failures", 0)
+            if failures > self._recycle_failures_seen:
+                logger.warning("pykvtier: %d evicted block file(s) under %s could be neither "
+                               "reused nor removed (they stay on disk, outside the index)",
+                               failures - self._recycle_failures_seen, self.layout.blocks_dir)
+                self._recycle_failures_seen = failures
         return self._result(pend, results, transfer_s, submits)
 
     def _result(self, pend: _Pending, results: list[int], transfer_s: float, submits: int) -> JobResult:
@@ -807,6 +856,8 @@ class DiskTier:
         s["engine_sqes"] = eng["sqes"]
         s["fixed_buffer_ios"] = eng["fixed_buffer_ios"]
         s["buffer_registration_failures"] = eng["buffer_registration_failures"]
+        s["files_recycled"] = eng.get("recycled", 0)
+        s["recycle_failures"] = eng.get("recycle_failures", 0)
         s["used_bytes"] = self._used_bytes
         s["blocks_present"] = len(self._lru)
         s["direct"] = int(self.direct)

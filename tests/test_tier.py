@@ -642,6 +642,99 @@ def test_restart_over_capacity_evicts_oldest(root, make_tier, arena):
     assert len(block_files(small)) == 2 and small.stats()["evictions"] == 3
 
 
+@pytest.mark.parametrize("engine", ["uring", "posix"])
+def test_stores_at_capacity_reuse_the_evicted_files(root, make_tier, arena, engine):
+    """recycle (default): each store that needs room takes over its victim's file -- the new
+    blocks live in the old inodes, nothing else is left on disk, and every byte is the new one."""
+    tier = make_tier(root, capacity_bytes=4 * FB, engine=engine)
+    a = fill(arena(8, BS), 21)
+    tier.set_arena(a)
+    old, new = keys_of(4, b"old"), keys_of(4, b"new")
+    ok(store(tier, 1, old, range(4)), 4 * BS)
+    inodes = {os.stat(path_of(tier, k)).st_ino for k in old}
+    ok(store(tier, 2, new, range(4, 8)), 4 * BS)  # one job: four victims, four reuses
+    assert {os.stat(path_of(tier, k)).st_ino for k in new} == inodes
+    assert block_files(tier) == sorted(path_of(tier, k) for k in new)  # no temporaries left
+    assert [tier.lookup(k) for k in old + new] == [MISS] * 4 + [HIT] * 4
+    s = tier.stats()
+    assert (s["evictions"], s["evictions_recycled"], s["files_recycled"],
+            s["recycle_failures"], s["eviction_failures"]) == (4, 4, 4, 0, 0)
+    assert tier.used_bytes == 4 * FB and tier.num_blocks == 4
+    src = a.copy()
+    a[:] = 0
+    ok(load(tier, 3, new, range(4)), 4 * BS)
+    assert np.array_equal(a[:4], src[4:])
+    # A restart sees exactly the new blocks, whole.
+    tier.shutdown()
+    again = make_tier(root, capacity_bytes=4 * FB, engine=engine)
+    again.set_arena(a)
+    a[:] = 0
+    ok(load(again, 4, new, range(4)), 4 * BS)
+    assert np.array_equal(a[:4], src[4:]) and again.num_blocks == 4
+
+
+@pytest.mark.parametrize("engine", ["uring", "posix"])
+def test_recycling_a_file_that_is_gone_writes_a_new_one(root, make_tier, arena, engine):
+    """The victim's file removed behind the tier's back: the store creates its file afresh."""
+    tier = make_tier(root, capacity_bytes=2 * FB, engine=engine)
+    a = fill(arena(4, BS), 22)
+    tier.set_arena(a)
+    k = keys_of(4)
+    ok(store(tier, 1, k[:2], [0, 1]), 2 * BS)
+    os.unlink(path_of(tier, k[0]))
+    ok(store(tier, 2, k[2:], [2, 3]), 2 * BS)  # victims k0 (gone) and k1
+    assert block_files(tier) == sorted(path_of(tier, x) for x in k[2:])
+    s = tier.stats()
+    assert (s["evictions_recycled"], s["files_recycled"], s["recycle_failures"]) == (2, 1, 0)
+    src = a.copy()
+    a[:] = 0
+    ok(load(tier, 3, k[2:], [0, 1]), 2 * BS)
+    assert np.array_equal(a[:2], src[2:])
+
+
+def test_shared_roots_and_recycle_false_unlink_evicted_files(root, make_tier, arena):
+    """Another process may be reading an evicted file of a shared root: never reused there."""
+    a = fill(arena(4, BS), 23)
+    for name, kw in (("shared", {"shared": True}), ("off", {"recycle": False})):
+        tier = make_tier(os.path.join(root, name), capacity_bytes=2 * FB, **kw)
+        tier.set_arena(a)
+        assert tier.recycle is False
+        k = keys_of(4)
+        ok(store(tier, 1, k[:2], [0, 1]), 2 * BS)
+        ok(store(tier, 2, k[2:], [2, 3]), 2 * BS)
+        tier.drain()  # the unlinks
+        tier.get_finished_jobs()
+        s = tier.stats()
+        assert (s["evictions"], s["evictions_recycled"], s["files_recycled"]) == (2, 0, 0)
+        assert block_files(tier) == sorted(path_of(tier, x) for x in k[2:])
+
+
+def test_engine_recycle_that_cannot_rename_removes_the_file(root, arena):
+    """io_uring engine, write_block with recycle_path: when the rename into the temporary name
+    fails for another reason than ENOENT (here EEXIST), the block is written to a new file and
+    the file to recycle is removed; nothing else is touched."""
+    from pykvtier import _native
+
+    a = fill(arena(1, BS), 24)
+    eng = _native.Engine(queue_depth=4, max_inflight_bytes=1 << 20)
+    victim, tmp, final = (os.path.join(root, n) for n in ("victim", "tmp", "final"))
+    for path, fill_byte in ((victim, b"v"), (tmp, b"t")):
+        with open(path, "wb") as f:
+            f.write(fill_byte * FB)
+    digest = key_digest(b"key")
+    addr = a.ctypes.data
+    res = eng.run("write_block", [(tmp, final, BS, addr, digest, victim)], direct=False)
+    assert res == [BS]
+    assert sorted(os.listdir(root)) == ["final"]
+    s = eng.stats()
+    assert (s["recycled"], s["recycle_failures"]) == (0, 0)
+    b = fill(arena(1, BS), 0)
+    b[:] = 0
+    assert eng.run("read_block", [(final, BS, b.ctypes.data, digest)], direct=False) == [BS]
+    assert np.array_equal(a, b)
+    eng.shutdown()
+
+
 # ------------------------------------------------------------------------- stores
 
 

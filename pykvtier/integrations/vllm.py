@@ -87,7 +87,7 @@ _LOOKUP = {
 # The config keys PyKVTier takes (besides the factory's own four), for the unknown-key error.
 _OPTIONS = (
     "root_dir", "capacity_bytes", "locality", "enable_kv_events", "engine", "queue_depth",
-    "max_inflight_bytes", "direct", "fsync", "shared", "probe_ttl_s",
+    "max_inflight_bytes", "direct", "fsync", "shared", "probe_ttl_s", "recycle",
 )
 
 
@@ -106,6 +106,8 @@ class PyKVTierMetrics:
     VERIFY_FAILURES = "pykvtier:verify_failures"
     EVICTIONS = "pykvtier:evictions"
     EVICTION_FAILURES = "pykvtier:eviction_failures"
+    FILES_RECYCLED = "pykvtier:files_recycled"
+    RECYCLE_FAILURES = "pykvtier:recycle_failures"
     CAPACITY_REJECTIONS = "pykvtier:capacity_rejections"
     DIRECT_FALLBACKS = "pykvtier:direct_fallbacks"
     ENGINE_FALLBACKS = "pykvtier:engine_fallbacks"
@@ -133,6 +135,10 @@ _COUNTERS = {
         "verify_failures", "Blocks that failed verification on load (and were quarantined)."),
     PyKVTierMetrics.EVICTIONS: ("evictions", "Blocks evicted to stay within capacity_bytes."),
     PyKVTierMetrics.EVICTION_FAILURES: ("eviction_failures", "Evictions whose unlink failed."),
+    PyKVTierMetrics.FILES_RECYCLED: (
+        "files_recycled", "Evicted block files taken over by stores (no unlink, no create)."),
+    PyKVTierMetrics.RECYCLE_FAILURES: (
+        "recycle_failures", "Evicted block files that could be neither reused nor removed."),
     PyKVTierMetrics.CAPACITY_REJECTIONS: (
         "capacity_rejections", "Blocks not stored: every block was in use."),
     PyKVTierMetrics.DIRECT_FALLBACKS: (
@@ -253,6 +259,7 @@ class PyKVTier(SecondaryTierManager):
         fsync = bool(options.get("fsync", False))
         shared = bool(options.get("shared", False))
         probe_ttl_s = float(options.get("probe_ttl_s", 1.0))
+        recycle = bool(options.get("recycle", True))
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
                     or capacity_bytes <= 0:
@@ -295,7 +302,7 @@ class PyKVTier(SecondaryTierManager):
                         ns, block, capacity_bytes=per_root, shared=shared, direct=direct,
                         queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
                         probe_ttl_s=probe_ttl_s, fsync=fsync, engine=engine,
-                        track_removals=self._events is not None,
+                        track_removals=self._events is not None, recycle=recycle,
                     )
                 except ValueError as exc:
                     split = (f" (capacity_bytes={capacity_bytes} split over {len(roots)} roots)"
