@@ -35,8 +35,10 @@ enum Stage : uint64_t {
   kRename = 5,
   kUnlink = 6,
   kRecycle = 7,  // rename of a recycled file to the temporary name (not an error of the request)
+  kStatx = 8,    // statx of the temporary after that rename: is it a reusable block file?
+  kRestore = 9,  // rename of a victim that is not a reusable block file back to its name
 };
-constexpr uint64_t kStageBits = 3;
+constexpr uint64_t kStageBits = 4;
 constexpr uint64_t kWakeTag = ~0ull;
 constexpr uint64_t kMaxIoBytes = 1ull << 30;  // per-SQE limit (CQE res is int32)
 constexpr uint64_t kMaxFixedChunk = 1ull << 30;  // the kernel's limit per registered buffer
@@ -111,8 +113,8 @@ FinishedJob make_finished(Job& job) {
 
 Ring::Ring(Engine& engine, unsigned depth, int wake_fd, bool single_issuer)
     : engine_(engine), depth_(depth), wake_fd_(wake_fd) {
-  // Each request takes at most 6 SQEs (recycle rename, open, header, data, fsync, close) plus
-  // a follow-up.
+  // A request has at most 5 SQEs unsubmitted at once (open, header, data, fsync, close; or the
+  // 2 of a recycle probe; or 1 follow-up); 7 per request leaves room to spare.
   unsigned entries = 8;
   while (entries < depth * 7 + 2) entries <<= 1;
   // A worker's ring lives and dies with its thread: let the kernel run completion work only
@@ -270,6 +272,8 @@ unsigned Ring::issue(Job& job) {
     c.err = 0;
     c.err_stage = 99;
     c.recycle_res = 0;
+    c.stat_res = 0;
+    c.reuse = false;
     c.moved = 0;
     r.issue_time = now;
     ++job.next;
@@ -279,7 +283,10 @@ unsigned Ring::issue(Job& job) {
       inflight_store_bytes_ += len;
       ++inflight_stores_;
     }
-    prep_chain(slot);
+    if (job.op == Op::WriteBlock && !r.recycle.empty())
+      prep_recycle(slot);  // the main chain follows once the victim is known to be reusable
+    else
+      prep_chain(slot);
     ++n;
   }
   if (n) ++job.submits;
@@ -307,24 +314,19 @@ void Ring::prep_chain(uint32_t slot) {
   const bool write = op_is_write(job.op);
   const bool block = job.op == Op::ReadBlock || job.op == Op::WriteBlock;
   const uint64_t data_off = block ? kHeaderBytes : r.offset;
-  const bool recycle = job.op == Op::WriteBlock && !r.recycle.empty();
+  const bool recycle = c.reuse;  // overwriting a recycled file (checked by prep_recycle)
   int flags = write ? O_WRONLY | O_CREAT : O_RDONLY;
-  // A fresh temporary must be new (O_EXCL); a recycled one is ours by name already.
-  if (write && !r.target.empty() && !recycle) flags |= O_EXCL;
+  // A fresh temporary must be new (O_EXCL). A recycled one was checked by prep_recycle's statx
+  // (a regular file, one link, no longer than a block): opened without O_CREAT (so the kernel
+  // tries the open without blocking first) and never through a symlink put there meanwhile.
+  if (write && !r.target.empty()) flags = recycle ? O_WRONLY | O_NOFOLLOW : flags | O_EXCL;
   if (job.direct) flags |= O_DIRECT;
   // (O_CLOEXEC is refused for direct descriptors: they are never in the fd table.)
   if (job.op == Op::WriteBlock) fill_header(c.header, r);
 
-  // [recycle rename] -> open -> [header] -> data -> [fsync] -> close, hard-linked so that the
-  // close always runs and every stage reports its own result.
-  io_uring_sqe* sqe;
-  if (recycle) {
-    sqe = get_sqe();
-    io_uring_prep_renameat(sqe, AT_FDCWD, r.recycle.c_str(), AT_FDCWD, r.path.c_str(),
-                           RENAME_NOREPLACE);
-    finish_sqe(sqe, kRecycle, IOSQE_IO_HARDLINK);
-  }
-  sqe = get_sqe();
+  // open -> [header] -> data -> [fsync] -> close, hard-linked so that the close always runs
+  // and every stage reports its own result (a recycled file: after prep_recycle's probe).
+  io_uring_sqe* sqe = get_sqe();
   io_uring_prep_openat_direct(sqe, AT_FDCWD, r.path.c_str(), flags, 0644, slot);
   if (skip_open_cqe_) {
     // A successful open posts no CQE; a failed one does (before the rest of its chain's).
@@ -372,6 +374,29 @@ void Ring::prep_chain(uint32_t slot) {
   finish_sqe(sqe, kClose, 0);
 }
 
+// write_block with a recycle_path, before its main chain: rename the victim to the temporary
+// name, then statx what is there (hard-linked: whatever the rename returned). on_cqe decides
+// from both: overwrite it (a regular file of one link, no longer than a block), put it back
+// (anything else: a directory, FIFO, symlink, a longer or hard-linked file), or write afresh.
+// Opening what the rename brought without that check could block forever (a FIFO), write
+// through a symlink out of the root, or leave a block file longer than a block.
+void Ring::prep_recycle(uint32_t slot) {
+  Ctx& c = ctx_[slot];
+  Request& r = c.job->reqs[c.index];
+  c.phase = 6;
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_renameat(sqe, AT_FDCWD, r.recycle.c_str(), AT_FDCWD, r.path.c_str(),
+                         RENAME_NOREPLACE);
+  io_uring_sqe_set_data64(sqe, encode(slot, kRecycle));
+  sqe->flags |= IOSQE_IO_HARDLINK;
+  sqe = get_sqe();
+  io_uring_prep_statx(sqe, AT_FDCWD, r.path.c_str(), AT_SYMLINK_NOFOLLOW,
+                      STATX_TYPE | STATX_NLINK | STATX_SIZE, &c.stx);
+  io_uring_sqe_set_data64(sqe, encode(slot, kStatx));
+  c.pending += 2;
+  unsubmitted_ += 2;
+}
+
 void Ring::prep_followup(uint32_t slot, uint8_t phase) {
   Ctx& c = ctx_[slot];
   Request& r = c.job->reqs[c.index];
@@ -381,6 +406,10 @@ void Ring::prep_followup(uint32_t slot, uint8_t phase) {
     io_uring_prep_renameat(sqe, AT_FDCWD, r.path.c_str(), AT_FDCWD, r.target.c_str(),
                            RENAME_NOREPLACE);
     io_uring_sqe_set_data64(sqe, encode(slot, kRename));
+  } else if (phase == 7) {
+    io_uring_prep_renameat(sqe, AT_FDCWD, r.path.c_str(), AT_FDCWD, r.recycle.c_str(),
+                           RENAME_NOREPLACE);
+    io_uring_sqe_set_data64(sqe, encode(slot, kRestore));
   } else {
     io_uring_prep_unlinkat(sqe, AT_FDCWD, (phase == 5 ? r.recycle : r.path).c_str(), 0);
     io_uring_sqe_set_data64(sqe, encode(slot, kUnlink));
@@ -494,15 +523,46 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
       break;
     case kRecycle:
       c.recycle_res = res;
-      if (res == 0) engine_.stats().recycled++;
+      break;
+    case kStatx:
+      c.stat_res = res;
+      break;
+    case kRestore:
+      if (res < 0) {
+        // Left at the temporary name (start-up moves stale temporaries out of the way).
+        engine_.stats().recycle_failures++;
+        c.recycle_res = -ENOENT;  // whatever is at the victim's name now is not the victim
+      } else {
+        c.recycle_res = -EINVAL;  // back at its name: removed after the store
+      }
       break;
   }
   if (--c.pending > 0) return;
 
+  if (c.phase == 6) {  // the recycle probe is complete: choose how the main chain opens
+    const bool usable = c.stat_res == 0 && S_ISREG(c.stx.stx_mode) && c.stx.stx_nlink == 1 &&
+                        c.stx.stx_size <= kHeaderBytes + r.length;
+    if (c.recycle_res == 0 && !usable) {
+      prep_followup(slot, 7);  // not a block file we may overwrite: put it back
+      return;
+    }
+    if (c.recycle_res == 0) engine_.stats().recycled++;
+    // (usable without the rename: a leftover regular file at this process's own temporary name)
+    c.reuse = usable;
+    c.phase = 0;
+    prep_chain(slot);
+    return;
+  }
+  if (c.phase == 7) {  // put back (or left behind, counted): write a fresh temporary
+    c.reuse = false;
+    c.phase = 0;
+    prep_chain(slot);
+    return;
+  }
+
   // The chain (or follow-up) is complete.
   const bool tmp_write = op_is_write(job.op) && job.op != Op::Unlink && !r.target.empty();
-  const bool recycled = job.op == Op::WriteBlock && !r.recycle.empty() && c.recycle_res == 0;
-  if (tmp_write && c.phase == 0 && !(c.err != 0 && c.err_stage == kOpen && !recycled)) {
+  if (tmp_write && c.phase == 0 && !(c.err != 0 && c.err_stage == kOpen && !c.reuse)) {
     // Rename into place, or remove our temporary (not when the open failed: then the file,
     // if any, is not ours -- unless it is the recycled file we renamed there).
     prep_followup(slot, c.err == 0 ? 1 : 2);

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <liburing.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -131,8 +132,14 @@ class Ring {
     Job* job = nullptr;
     uint32_t index = 0;
     uint8_t pending = 0;
-    uint8_t phase = 0;  // 0 main chain, 1 rename, 2 cleanup unlink, 5 unlink of a recycle victim
-    int32_t recycle_res = 0;  // result of renaming the recycled file into place
+    // 0 main chain, 1 rename, 2 cleanup unlink, 3/4 unlink of a duplicate temporary, 5 unlink of
+    // a recycle victim, 6 recycle probe (rename victim -> temporary, statx of the temporary),
+    // 7 rename of a victim that is no reusable block file back to its name
+    uint8_t phase = 0;
+    bool reuse = false;  // the main chain overwrites the regular file at path (no O_EXCL)
+    int32_t recycle_res = 0;  // result of renaming the recycled file to the temporary name
+    int32_t stat_res = 0;     // result of the statx of the temporary (phase 6)
+    struct statx stx {};
     int64_t err = 0;
     int err_stage = 99;
     uint64_t moved = 0;
@@ -140,6 +147,7 @@ class Ring {
   };
   io_uring_sqe* get_sqe();
   void prep_chain(uint32_t slot);
+  void prep_recycle(uint32_t slot);
   void prep_followup(uint32_t slot, uint8_t phase);
   void on_cqe(uint64_t user_data, int32_t res, uint32_t flags, std::vector<Job*>& finished);
   void finish(uint32_t slot, std::vector<Job*>& finished);

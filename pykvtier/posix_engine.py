@@ -252,20 +252,42 @@ class PosixEngine(FinishedJobsQueue):
 
     def _recycle_write(self, path, length, addr, target, digest, flags, fsync, recycle) -> int:
         """write_block over an evicted block file (as the io_uring engine's recycle_path): the
-        file is renamed to the temporary name and overwritten; if it cannot be renamed (other
-        than: it is gone) the temporary is created afresh and the file removed afterwards."""
+        file is renamed to the temporary name and overwritten -- if it is a regular file of one
+        link, no longer than a block (anything else, e.g. a directory, FIFO, symlink or longer
+        file put at its name, is renamed back and removed after the store: opening it could
+        block forever, write through the link, or leave a block file longer than a block). If
+        it cannot be renamed (other than: it is gone) the temporary is created afresh and the
+        file removed afterwards."""
         renamed = failed = False
         try:
             os.rename(recycle, path)  # path is this process's own fresh temporary name
             renamed = True
-            with self._mu:
-                self._stats["recycled"] += 1
         except FileNotFoundError:
             pass
         except OSError:
             failed = True
         try:
-            return self._write(path, 0, length, addr, target, digest, flags, fsync, own=True)
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        reuse = st is not None and _reusable(st, length)
+        if renamed and not reuse:
+            renamed = False
+            try:
+                if stat.S_ISDIR(st.st_mode):
+                    os.rename(path, recycle)
+                else:  # (link + unlink: never replaces what may be at its name now)
+                    os.link(path, recycle, follow_symlinks=False)
+                    os.unlink(path)
+                failed = True  # back at its name: removed below
+            except OSError:
+                with self._mu:
+                    self._stats["recycle_failures"] += 1  # left at the temporary name
+        elif renamed:
+            with self._mu:
+                self._stats["recycled"] += 1
+        try:
+            return self._write(path, 0, length, addr, target, digest, flags, fsync, own=reuse)
         except OSError:
             if renamed:
                 _unlink_quiet(path)  # the recycled file is ours: do not leave it behind
@@ -283,9 +305,16 @@ class PosixEngine(FinishedJobsQueue):
     def _write(self, path, offset, length, addr, target, digest, flags, fsync,
                own: bool = False) -> int:
         src = _view(addr, length)
-        oflags = os.O_WRONLY | os.O_CREAT | flags | (os.O_EXCL if target and not own else 0)
+        if own:  # a recycled file: never through a symlink, never waiting on a FIFO
+            oflags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | flags
+        else:
+            oflags = os.O_WRONLY | os.O_CREAT | flags | (os.O_EXCL if target else 0)
         fd = os.open(path, oflags, 0o644)
         try:
+            if own:
+                if not _reusable(os.fstat(fd), length):  # swapped since the lstat
+                    raise OSError(errno.EINVAL, "not a reusable block file", path)
+                os.set_blocking(fd, True)
             if digest is not None:
                 hdr = _aligned(_HB)
                 hdr[:] = bytes(_HB)
@@ -319,6 +348,11 @@ class PosixEngine(FinishedJobsQueue):
         with self._mu:
             self._stats["bytes_written"] += length
         return length
+
+
+def _reusable(st: os.stat_result, length: int) -> bool:
+    """A file a store may overwrite in place: regular, one link, no longer than a block."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size <= _HB + length
 
 
 def _unlink_quiet(path: str) -> None:

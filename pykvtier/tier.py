@@ -326,6 +326,16 @@ class DiskTier:
                             self._stats["stale_temporaries_removed"] += 1
                         except FileNotFoundError:
                             pass
+                        except OSError as exc:  # e.g. a directory left at a temporary name
+                            logger.warning("pykvtier: cannot remove stale temporary %s (%s); "
+                                           "moving it to %s", de.path, exc,
+                                           self.layout.quarantine_dir)
+                            try:
+                                os.rename(de.path, os.path.join(self.layout.quarantine_dir,
+                                                                f"{de.name}.{time.time_ns()}"))
+                                self._stats["quarantined"] += 1
+                            except OSError as exc2:
+                                logger.warning("pykvtier: cannot quarantine %s: %s", de.path, exc2)
         if self._stats["blocks_of_other_size"]:
             logger.warning("pykvtier: %d entries under %s are not %d-byte block files (another "
                            "block size, or not regular files); moved to %s",

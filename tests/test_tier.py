@@ -735,6 +735,82 @@ def test_engine_recycle_that_cannot_rename_removes_the_file(root, arena):
     eng.shutdown()
 
 
+@pytest.mark.parametrize("engine", ["uring", "posix"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "longer", "hardlinked", "directory"])
+def test_a_victim_that_is_no_block_file_is_not_overwritten(root, make_tier, arena, engine, kind):
+    """The evicted block's name holds something else by the time its file is recycled: a
+    symlink (never written through: the file it names stays as it was), a FIFO (the store must
+    not wait for a reader), a longer file (the new block file must be a block's length: capacity
+    counts block files as such), a file with a second link (its other name keeps its bytes), a
+    directory. Each is put back at its name and removed (a directory cannot be: counted), and
+    the store writes a new file."""
+    outside = os.path.join(root, "outside")
+    with open(outside, "wb") as f:
+        f.write(b"O" * (2 * FB))
+    tier = make_tier(os.path.join(root, "tier"), capacity_bytes=2 * FB, engine=engine)
+    a = fill(arena(4, BS), 25)
+    tier.set_arena(a)
+    k = keys_of(3)
+    ok(store(tier, 1, k[:2], [0, 1]), 2 * BS)
+    victim = path_of(tier, k[0])  # the least recently used: the victim of the next store
+    other = os.path.join(root, "other-link")
+    if kind == "hardlinked":
+        os.link(victim, other)
+        before = open(other, "rb").read()
+    else:
+        os.unlink(victim)
+        if kind == "symlink":
+            os.symlink(outside, victim)
+        elif kind == "fifo":
+            os.mkfifo(victim)
+        elif kind == "longer":
+            with open(victim, "wb") as f:
+                f.write(b"L" * (3 * FB))
+        else:
+            os.mkdir(victim)
+    tier.submit_store(TransferJob(2, [k[2]], [2]))
+    done = tier.wait(30.0)
+    if not done:  # the engine waits on the FIFO: give it a reader so that the test ends
+        for p in glob.glob(os.path.join(tier.layout.blocks_dir, "*", "*")):
+            if os.path.exists(p) and not os.path.isfile(p) and not os.path.isdir(p):
+                os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+    assert [r.job_id for r in done] == [2], "the store did not finish"
+    ok(done[0], BS)
+    assert open(outside, "rb").read() == b"O" * (2 * FB)
+    if kind == "hardlinked":
+        assert open(other, "rb").read() == before
+    left = [p for p in block_files(tier) if os.path.isdir(p)]
+    assert left == ([victim] if kind == "directory" else [])
+    files = [p for p in block_files(tier) if p not in left]
+    assert files == sorted(path_of(tier, x) for x in k[1:])  # no temporaries
+    assert all(os.lstat(p).st_size == FB and os.path.isfile(p) for p in files)
+    s = tier.stats()
+    assert (s["files_recycled"], s["recycle_failures"]) == (0, int(kind == "directory"))
+    assert tier.used_bytes == 2 * FB and tier.num_blocks == 2
+    src = a.copy()
+    a[:] = 0
+    ok(load(tier, 3, k[1:], [1, 2]), 2 * BS)
+    assert np.array_equal(a[1:3], src[1:3])
+    tier.shutdown()
+    again = make_tier(os.path.join(root, "tier"), capacity_bytes=2 * FB, engine=engine)
+    assert again.num_blocks == 2
+    assert again.stats()["blocks_of_other_size"] == int(kind == "directory")
+
+
+def test_start_up_moves_a_directory_at_a_stale_temporary_name_aside(root, make_tier):
+    """A stale temporary that cannot be unlinked (a directory) is moved to the quarantine
+    folder instead of failing the tier's start-up."""
+    tier = make_tier(root)
+    name = key_digest(b"d").hex()
+    stale = os.path.join(tier.layout.blocks_dir, name[:2], f"{name}.kvb.tmp.0.1")
+    tier.shutdown()
+    os.mkdir(stale)
+    again = make_tier(root)
+    assert not os.path.exists(stale) and again.num_blocks == 0
+    assert again.stats()["quarantined"] == 1
+    assert [n.startswith(f"{name}.kvb.tmp.0.1.") for n in os.listdir(again.layout.quarantine_dir)] == [True]
+
+
 # ------------------------------------------------------------------------- stores
 
 
