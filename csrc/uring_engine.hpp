@@ -140,6 +140,8 @@ class Ring {
     int32_t recycle_res = 0;  // result of renaming the recycled file to the temporary name
     int32_t stat_res = 0;     // result of the statx of the temporary (phase 6)
     struct statx stx {};
+    bool merged = false;      // header and payload written by one WRITEV (a new file)
+    iovec iov[2] = {};        // its iovecs (live until the request finishes)
     int64_t err = 0;
     int err_stage = 99;
     uint64_t moved = 0;
