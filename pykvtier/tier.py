@@ -228,8 +228,12 @@ class DiskTier:
         self.block_size_bytes = block_size_bytes
         self.file_bytes = block_size_bytes + HEADER_BYTES
         self.capacity_bytes = capacity_bytes
+        for name, flag in (("shared", shared), ("fsync", fsync), ("recycle", recycle),
+                           ("track_removals", track_removals)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.shared = shared
-        self.recycle = bool(recycle) and not shared
+        self.recycle = recycle and not shared
         self._recycle_failures_seen = 0
         self.fsync = fsync
         self.probe_ttl_s = probe_ttl_s

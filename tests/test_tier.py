@@ -694,6 +694,12 @@ def test_recycling_a_file_that_is_gone_writes_a_new_one(root, make_tier, arena, 
     assert np.array_equal(a[:2], src[2:])
 
 
+@pytest.mark.parametrize("flag", ["recycle", "shared", "fsync", "track_removals"])
+def test_flags_must_be_bools(root, flag):
+    with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'no'"):
+        DiskTier(root, BS, **{flag: "no"})
+
+
 def test_shared_roots_and_recycle_false_unlink_evicted_files(root, make_tier, arena):
     """Another process may be reading an evicted file of a shared root: never reused there."""
     a = fill(arena(4, BS), 23)

@@ -312,6 +312,9 @@ def test_importing_pykvtier_does_not_import_vllm():
     ({"locality": "NEARBY"}, "locality must be one of"),
     ({"capacity_bytes": -1}, "capacity_bytes must be a positive int"),
     ({"engine": "spdk"}, "unknown engine 'spdk'"),
+    ({"recycle": "false"}, "recycle must be true or false, got 'false'"),
+    ({"shared": 1}, "shared must be true or false, got 1"),
+    ({"enable_kv_events": "yes"}, "enable_kv_events must be true or false"),
 ])
 def test_bad_config_is_a_clear_error(root, bad, match):
     cfg = {**tier_config(root), **bad}

@@ -189,6 +189,14 @@ class _Job:
     transfer_bytes: int = 0
 
 
+def _flag(options: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean config key: true/false only (a string such as "false" would read as true)."""
+    v = options.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"PyKVTier: {key} must be true or false, got {v!r}")
+    return v
+
+
 def _roots(root_dir: Any) -> list[str]:
     if isinstance(root_dir, (str, os.PathLike)):
         roots = [os.fspath(root_dir)]
@@ -256,10 +264,10 @@ class PyKVTier(SecondaryTierManager):
         queue_depth = int(options.get("queue_depth", 64))
         max_inflight_bytes = int(options.get("max_inflight_bytes", 256 << 20))
         direct = options.get("direct")
-        fsync = bool(options.get("fsync", False))
-        shared = bool(options.get("shared", False))
+        fsync = _flag(options, "fsync", False)
+        shared = _flag(options, "shared", False)
         probe_ttl_s = float(options.get("probe_ttl_s", 1.0))
-        recycle = bool(options.get("recycle", True))
+        recycle = _flag(options, "recycle", True)
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
                     or capacity_bytes <= 0:
@@ -281,7 +289,7 @@ class PyKVTier(SecondaryTierManager):
         block = self.block_size_bytes  # the row stride, set by the base class
 
         self._events: list[OffloadingEvent] | None = None
-        if options.get("enable_kv_events", False):
+        if _flag(options, "enable_kv_events", False):
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
             else:
