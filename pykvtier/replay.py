@@ -792,7 +792,9 @@ def format_summary(s: ReplaySummary) -> str:
         f" -> {s.store_gbps:.2f} GB/s; {s.store_rejected_keys} blocks declined by the tier (capacity)",
         f"  CPU         {s.cpu_s:.2f} s, {per_gib} (tier alone {tier_per_gib};"
         f" replay's fill+verify {s.harness_cpu_s:.2f} s)",
-        f"  evictions   {s.evictions}",
+        f"  evictions   {s.evictions}"
+        + (f" ({s.tier_stats['files_recycled']} files taken over by stores)"
+           if s.tier_stats.get("files_recycled") else ""),
         f"  verification failures {s.verification_failures}, errors {s.errors}"
         f" (load failures {s.load_failed_keys}, store failures {s.store_failed_keys},"
         f" tier checksum failures {s.tier_verify_failures})",

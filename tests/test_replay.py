@@ -125,6 +125,10 @@ def test_capacity_forces_eviction_and_stays_correct(root):
     s = run_replay(_config(root, capacity_bytes=1000 * (TINY_BS + 4096)), reqs)
     assert s.ok, s.error_samples
     assert s.evictions > 0
+    # every eviction made room for a store, which took over the evicted file
+    assert s.tier_stats["files_recycled"] == s.tier_stats["evictions_recycled"] == s.evictions
+    assert f"  evictions   {s.evictions} ({s.evictions} files taken over by stores)" in \
+        format_summary(s).splitlines()
     assert s.verification_failures == 0 and s.errors == 0
     # eviction can only lose hits relative to an unlimited tier
     assert s.blocks_hit <= sum(_reference_hits(reqs, SPB))
