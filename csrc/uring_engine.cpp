@@ -142,13 +142,6 @@ Ring::Ring(Engine& engine, unsigned depth, int wake_fd, bool single_issuer)
     io_uring_queue_exit(&ring_);
     throw_errno("io_uring_register_files_sparse (fixed-file table, Linux >= 5.19 needed)", -rc);
   }
-  // Work the kernel cannot do without blocking (opens with O_CREAT, renames, O_DIRECT writes
-  // that extend a new file, which ext4 also waits for) runs on the ring's io-wq workers. Their
-  // default bound is 4 per CPU: on a small machine that, not the queue depth, would cap the
-  // stores in flight. A request has at most one operation there at a time, so the queue depth
-  // is the bound that fits. (Best effort: kernels before 5.15 keep their default.)
-  unsigned iowq[2] = {depth, 0};  // bounded, unbounded (0: unchanged)
-  (void)io_uring_register_iowq_max_workers(&ring_, iowq);
   ctx_.resize(depth);
   free_slots_.reserve(depth);
   for (unsigned i = depth; i > 0; --i) free_slots_.push_back(i - 1);
