@@ -55,7 +55,10 @@ class TransferJob:
 
     ``keys[i]`` moves to/from arena slot ``slot_ids[i]`` (bytes
     ``[slot * slot_bytes, (slot + 1) * slot_bytes)`` of the arena). ``job_id`` is the caller's;
-    it must not be reused while the job is in flight.
+    it must not be reused while the job is in flight. The engine reads a store's slots and writes a
+    load's slots at any time until the job is reported finished: do not change a store's slots,
+    nor use a load's, before then (a block stored from a slot changed meanwhile holds, and
+    checksums, whatever the slot held when its write ran).
     """
 
     job_id: int
