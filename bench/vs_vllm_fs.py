@@ -340,16 +340,20 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdict(results: list[dict]) -> list[str]:
-    out = []
+def load_pairs(results: list[dict]) -> list[tuple[int, int, dict, dict]]:
+    """(block, blocks per job, PyKVTier's row, vLLM fs's row) of each load configuration both
+    tiers ran, in block and job-size order."""
     pairs: dict = {}
     for r in results:
         if r["phase"] == "load":
             pairs.setdefault((r["block"], r["job_blocks"]), {})[r["tier"]] = r
-    for (block, J), g in sorted(pairs.items()):
-        if len(g) != 2:
-            continue
-        a, b = g["pykvtier"], g["vllm-fs"]
+    return [(block, J, g["pykvtier"], g["vllm-fs"])
+            for (block, J), g in sorted(pairs.items()) if len(g) == 2]
+
+
+def verdict(results: list[dict]) -> list[str]:
+    out = []
+    for block, J, a, b in load_pairs(results):
         checks = [("GB/s >= 1x", a["gbps"] / b["gbps"], lambda x: x >= 1.0),
                   ("CPU-s/GiB <= 1/3", a["cpu_s_per_gib"] / b["cpu_s_per_gib"],
                    lambda x: x <= 1 / 3)]
@@ -389,14 +393,7 @@ def bounds(results: list[dict], floors: dict[int, float]) -> list[str]:
     """What this machine allows, measured in the same run: the verification floor against vLLM
     fs's CPU, and the best latency ratios a saturated device leaves for the measured throughput."""
     out = []
-    pairs: dict = {}
-    for r in results:
-        if r["phase"] == "load":
-            pairs.setdefault((r["block"], r["job_blocks"]), {})[r["tier"]] = r
-    for (block, J), g in sorted(pairs.items()):
-        if len(g) != 2:
-            continue
-        a, b = g["pykvtier"], g["vllm-fs"]
+    for block, J, a, b in load_pairs(results):
         bw = a["gbps"] / b["gbps"]
         n = a["inflight"]
         line = (f"{fmt_size(block)} x {J}: payload XXH3 alone {floors[block]:.3f} s/GiB = "
