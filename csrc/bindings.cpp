@@ -190,7 +190,7 @@ PYBIND11_MODULE(_native, m) {
       py::arg("buffer"),
       "XXH3-64 through the 8-lane formulation the GPU checksum kernel uses (host reference, for tests).");
 
-  py::class_<Engine>(m, "Engine", R"doc(
+  auto cls = py::class_<Engine>(m, "Engine", R"doc(
 Batched block I/O over io_uring.
 
 Engine(queue_depth=64, max_inflight_bytes=256 MiB, workers=1, store_share=0.5)
@@ -263,36 +263,8 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
           py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false,
           "Queues a job for the background ring(s) and returns at once. Loads (read, read_block)\n"
           "go before stores. Each job's SQEs are handed to the kernel in one io_uring_submit when\n"
-          "the ring has room. Finished jobs are reported by poll().")
-      .def(
-          "poll",
-          [](Engine& e) {
-            auto fin = e.poll();
-            py::list out;
-            for (auto& f : fin) {
-              out.append(py::make_tuple(f.id, op_name(f.op), py::cast(f.results), f.submits, f.queued_s,
-                                        f.transfer_s));
-            }
-            return out;
-          },
-          "Finished jobs since the last call, each exactly once: list of\n"
-          "(job_id, op, results, submits, queued_seconds, transfer_seconds). Never blocks.")
-      .def(
-          "wait",
-          [](Engine& e, std::optional<double> timeout_s) {
-            py::gil_scoped_release nogil;
-            return e.wait(timeout_s ? *timeout_s : -1.0);
-          },
-          py::arg("timeout_s") = py::none(),
-          "Blocks (GIL released) until a finished job can be polled, nothing is pending, or\n"
-          "timeout_s seconds passed. Returns True if poll() has something.")
-      .def(
-          "drain",
-          [](Engine& e) {
-            py::gil_scoped_release nogil;
-            e.drain();
-          },
-          "Blocks (GIL released) until every submitted job finished; results stay for poll().")
+          "the ring has room. Finished jobs are reported by poll().");
+  def_finished_jobs(cls)
       .def(
           "shutdown",
           [](Engine& e) {
@@ -316,7 +288,6 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
           "buffers: registration pins (and faults in) the memory, a one-time cost this moves out\n"
           "of the first jobs. Returns False on timeout. Registration failures (e.g.\n"
           "RLIMIT_MEMLOCK) are counted in stats(): the rings then use plain READ/WRITE.")
-      .def("pending_jobs", &Engine::pending_jobs, "Jobs submitted and not yet finished.")
       .def("stats", &stats_dict,
            "Counters: submits (io_uring_submit calls carrying SQEs), sqes, cqes, jobs_*, requests_*,\n"
            "bytes_read, bytes_written, fixed_buffer_ios, verify_failures, rename_existing,\n"

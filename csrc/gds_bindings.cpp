@@ -138,7 +138,7 @@ PYBIND11_MODULE(_gds, m) {
       "Opens a temporary file in dir the way the engine does (CompatMode AUTO) and reports whether\n"
       "kvikio would use cuFile (compat False) or POSIX I/O (compat True) there.");
 
-  py::class_<Engine>(m, "GdsEngine", R"doc(
+  auto cls = py::class_<Engine>(m, "GdsEngine", R"doc(
 Block files <-> GPU memory through kvikio (cuFile / GPUDirect Storage, or kvikio's POSIX
 compatibility mode), with the interface of pykvtier._native.Engine.
 
@@ -193,30 +193,8 @@ one of _native.ERR_*.
           },
           py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
           py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false,
-          "Runs one batch and waits for it (GIL released); results per entry.")
-      .def(
-          "poll",
-          [](Engine& e) {
-            auto fin = e.poll();
-            py::list out;
-            for (auto& f : fin)
-              out.append(py::make_tuple(f.id, op_name(f.op), py::cast(f.results), f.submits, f.queued_s,
-                                        f.transfer_s));
-            return out;
-          },
-          "Finished jobs since the last call: (job_id, op, results, submits, queued_s, transfer_s).")
-      .def(
-          "wait",
-          [](Engine& e, std::optional<double> timeout_s) {
-            py::gil_scoped_release nogil;
-            return e.wait(timeout_s ? *timeout_s : -1.0);
-          },
-          py::arg("timeout_s") = py::none())
-      .def("drain",
-           [](Engine& e) {
-             py::gil_scoped_release nogil;
-             e.drain();
-           })
+          "Runs one batch and waits for it (GIL released); results per entry.");
+  def_finished_jobs(cls)
       .def("shutdown",
            [](Engine& e) {
              py::gil_scoped_release nogil;
@@ -240,7 +218,6 @@ one of _native.ERR_*.
            })
       .def(
           "await_buffers", [](Engine&, std::optional<double>) { return true; }, py::arg("timeout_s") = py::none())
-      .def("pending_jobs", &Engine::pending_jobs)
       .def("stats", &stats_dict)
       .def("last_error", &Engine::last_error, "The last error text (kvikio / CUDA), for diagnostics.")
       .def_property_readonly("io_threads", [](Engine& e) { return e.config().io_threads; })

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "block_format.hpp"
+#include "finished_jobs.hpp"
 
 namespace pykvtier::gds {
 
@@ -108,7 +109,8 @@ struct Region {
   bool registered;  // with cuFile (cuFileBufRegister)
 };
 
-class Engine {
+// poll(), wait(), drain() and pending_jobs() come from FinishedJobs.
+class Engine : public FinishedJobs<FinishedJob> {
  public:
   explicit Engine(Config cfg);
   ~Engine();
@@ -117,11 +119,7 @@ class Engine {
 
   void submit(std::unique_ptr<Job> job);
   std::vector<int64_t> run(std::unique_ptr<Job> job, std::vector<double>* latencies);
-  std::vector<FinishedJob> poll();
-  bool wait(double timeout_s);
-  void drain();
   void shutdown();
-  size_t pending_jobs();
 
   // Device memory the engine will read into / write from: registered with cuFile where GDS is
   // used (faster DMA), remembered in any case. Returns false if cuFile refused it (counted).
@@ -153,12 +151,9 @@ class Engine {
 
   Config cfg_;
   Stats stats_;
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
+  std::condition_variable work_cv_;  // (mu_, done_cv_: FinishedJobs)
   std::deque<Task> loads_, stores_;
   std::vector<std::unique_ptr<Job>> owned_;  // submitted jobs not yet finished
-  std::vector<FinishedJob> finished_;
-  size_t outstanding_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
   std::vector<std::unique_ptr<ThreadCtx>> ctx_;

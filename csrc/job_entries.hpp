@@ -10,8 +10,10 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "block_format.hpp"
@@ -110,6 +112,46 @@ void parse_entries(Job& job, const std::string& op_s, const pybind11::sequence& 
       entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
     if (r.addr == 0) entry_error(i, r.path, std::string(addr_kind) + " address is NULL");
   }
+}
+
+// poll / wait / drain / pending_jobs of an engine class (its FinishedJobs base): the same for
+// every engine. Returns cls for further .def()s.
+template <class Cls>
+Cls& def_finished_jobs(Cls& cls) {
+  namespace py = pybind11;
+  using Engine = typename Cls::type;
+  cls.def(
+         "poll",
+         [](Engine& e) {
+           auto fin = e.poll();
+           py::list out;
+           for (auto& f : fin)  // (op_name: the engine's own, found by argument lookup)
+             out.append(py::make_tuple(f.id, op_name(f.op), py::cast(f.results), f.submits,
+                                       f.queued_s, f.transfer_s));
+           return out;
+         },
+         "Finished jobs since the last call, each exactly once: list of\n"
+         "(job_id, op, results, submits, queued_seconds, transfer_seconds). Never blocks.")
+      .def(
+          "wait",
+          [](Engine& e, std::optional<double> timeout_s) {
+            py::gil_scoped_release nogil;
+            return e.wait(timeout_s ? *timeout_s : -1.0);
+          },
+          py::arg("timeout_s") = py::none(),
+          "Blocks (GIL released) until a finished job can be polled, nothing is pending, or\n"
+          "timeout_s seconds passed. Returns True if poll() has something.")
+      .def(
+          "drain",
+          [](Engine& e) {
+            py::gil_scoped_release nogil;
+            e.drain();
+          },
+          "Blocks (GIL released) until every submitted job finished; results stay for poll().")
+      .def(
+          "pending_jobs", [](Engine& e) { return e.pending_jobs(); },
+          "Jobs submitted and not yet finished.");
+  return cls;
 }
 
 }  // namespace pykvtier

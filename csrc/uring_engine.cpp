@@ -826,33 +826,6 @@ bool Engine::await_buffers(double timeout_s) {
   return done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready);
 }
 
-std::vector<FinishedJob> Engine::poll() {
-  std::lock_guard<std::mutex> lk(mu_);
-  std::vector<FinishedJob> out;
-  out.swap(finished_);
-  return out;
-}
-
-bool Engine::wait(double timeout_s) {
-  std::unique_lock<std::mutex> lk(mu_);
-  auto ready = [this] { return !finished_.empty() || outstanding_ == 0; };
-  if (timeout_s < 0)
-    done_cv_.wait(lk, ready);
-  else
-    done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready);
-  return !finished_.empty();
-}
-
-void Engine::drain() {
-  std::unique_lock<std::mutex> lk(mu_);
-  done_cv_.wait(lk, [this] { return outstanding_ == 0; });
-}
-
-size_t Engine::pending_jobs() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return outstanding_;
-}
-
 // ---------------------------------------------------------------------------- probe
 
 DirectProbe probe_direct(const std::string& dir) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "block_format.hpp"
+#include "finished_jobs.hpp"
 
 namespace pykvtier {
 
@@ -175,7 +176,8 @@ class Ring {
   std::vector<BufferRegion> buffers_;
 };
 
-class Engine {
+// poll(), wait(), drain() and pending_jobs() come from FinishedJobs.
+class Engine : public FinishedJobs<FinishedJob> {
  public:
   explicit Engine(EngineConfig cfg);
   ~Engine();
@@ -184,13 +186,6 @@ class Engine {
   std::vector<int64_t> run(Job& job);
   // Queues a job for the background rings; returns at once.
   void submit(std::unique_ptr<Job> job);
-  // Finished jobs since the last call (each job exactly once).
-  std::vector<FinishedJob> poll();
-  // Blocks until a finished job is available or nothing is pending, or timeout (<0: none).
-  // Returns true if a finished job is available.
-  bool wait(double timeout_s);
-  // Blocks until every submitted job has finished (results stay available to poll()).
-  void drain();
   void shutdown();
 
   unsigned register_buffer(uint64_t addr, uint64_t len);
@@ -202,7 +197,6 @@ class Engine {
 
   const EngineConfig& config() const { return cfg_; }
   EngineStats& stats() { return stats_; }
-  size_t pending_jobs();
 
  private:
   void worker_main(unsigned idx);
@@ -214,11 +208,7 @@ class Engine {
   std::vector<BufferRegion> buffers_;
   uint64_t buffers_generation_ = 0;
 
-  std::mutex mu_;
-  std::condition_variable done_cv_;
-  std::deque<std::unique_ptr<Job>> loads_, stores_;  // loads have priority
-  std::vector<FinishedJob> finished_;
-  size_t outstanding_ = 0;  // submitted and not yet finished
+  std::deque<std::unique_ptr<Job>> loads_, stores_;  // loads have priority (under mu_)
   bool stopping_ = false;
   std::vector<int> wake_fds_;
   std::vector<uint64_t> worker_buffer_gen_;  // buffers generation each worker's ring has
