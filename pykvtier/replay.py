@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from . import models as _models
+from .bench.report import jsonable
 from .trace import TRACE_BLOCK_TOKENS, Request, TraceFormatError, load_trace
 
 __all__ = [
@@ -732,7 +733,7 @@ def run_replay(
             failure_reasons=dict(sorted(failure_reasons.items(), key=lambda kv: -kv[1])),
             error_samples=error_samples,
             wall_s=wall,
-            tier_stats={k: _jsonable(v) for k, v in stats.items()},
+            tier_stats={k: jsonable(v) for k, v in stats.items()},
         )
     finally:
         if tier is not None:
@@ -751,18 +752,6 @@ def run_replay(
             root_removed = True
     summary.root_removed = root_removed
     return summary
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, np.generic):
-        return v.item()
-    return str(v)
 
 
 # --------------------------------------------------------------------------------------
