@@ -26,7 +26,8 @@ import shutil
 import sys
 
 from pykvtier.bench import fio as F
-from pykvtier.bench.sysutil import default_bench_dir, median, mount_of, read_first_line
+from pykvtier.bench.sysutil import (default_bench_dir, median, mount_of, read_first_line,
+                                     remove_files)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_JOBS = [os.path.join(HERE, f) for f in
@@ -205,11 +206,7 @@ def main(argv=None) -> int:
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     if not args.keep:
-        for p in all_paths:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        remove_files(all_paths)
     if failed:
         print(f"\n{failed} run(s) FAILED", file=sys.stderr)
     return 1 if failed else 0

@@ -83,7 +83,7 @@ def _load_sysutil():
 _su = _load_sysutil()
 fmt_size, mount_of, read_first_line, meminfo = _su.fmt_size, _su.mount_of, _su.read_first_line, _su.meminfo
 rusage_cpu, median, alloc_host = _su.rusage_cpu, _su.median, _su.alloc_host
-ColdCache, HugePages, DevStat = _su.ColdCache, _su.HugePages, _su.DevStat
+ColdCache, HugePages, DevStat, remove_files = _su.ColdCache, _su.HugePages, _su.DevStat, _su.remove_files
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -707,11 +707,7 @@ def _run(args, d, mnt, fstype, src, native, native_err, bases, variants, mems, t
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         if created and not args.keep:
-            for p in paths:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+            remove_files(paths)
             try:
                 os.unlink(os.path.join(d, MANIFEST))
                 if not existed:

@@ -25,7 +25,7 @@ import sys
 
 from pykvtier.bench import fio as F
 from pykvtier.bench.options import parse_size
-from pykvtier.bench.sysutil import default_bench_dir, fmt_size, median, mount_of
+from pykvtier.bench.sysutil import default_bench_dir, fmt_size, median, mount_of, remove_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINES = ("pykvtier-uring", "pykvtier-posix")
@@ -200,11 +200,7 @@ def main(argv=None) -> int:
     print(why if why else f"wrote {args.png}")
     shutil.rmtree(workdir, ignore_errors=True)
     if not args.keep:
-        for p in paths:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        remove_files(paths)
     return 0
 
 

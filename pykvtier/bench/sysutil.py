@@ -28,6 +28,7 @@ __all__ = [
     "HugePages",
     "DevStat",
     "alloc_host",
+    "remove_files",
 ]
 
 GiB = 1 << 30
@@ -248,3 +249,12 @@ def alloc_host(nbytes: int, mem: str = "4k", hugepage: int = 2 << 20):
     arr = np.frombuffer(m, dtype=np.uint8)
     arr[:] = 0  # fault every page in now, outside any timed region
     return m, arr[:nbytes]
+
+
+def remove_files(paths) -> None:
+    """Unlinks each path; one that is gone or cannot be removed is skipped (bench clean-up)."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
