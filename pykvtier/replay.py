@@ -214,6 +214,7 @@ class ReplayConfig:
     capacity_bytes: int | None = parse_size(DEFAULT_CAPACITY)
     root: str | None = None  # None: a temporary directory, removed at the end
     engine: str = "auto"
+    recycle: bool = True  # stores at capacity take over the evicted files (DiskTier(recycle=))
     progress: bool = True
     arena_bytes: int | None = None  # None: auto (see _arena_slots)
 
@@ -411,10 +412,11 @@ def _rusage_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _default_tier_factory(root: str, block_size: int, capacity: int | None, engine: str):
+def _default_tier_factory(root: str, block_size: int, capacity: int | None, engine: str,
+                          recycle: bool = True):
     from . import DiskTier
 
-    return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine)
+    return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine, recycle=recycle)
 
 
 def run_replay(
@@ -457,7 +459,7 @@ def run_replay(
     else:
         root = tempfile.mkdtemp(prefix="pykvtier-replay-")
 
-    factory = tier_factory or _default_tier_factory
+    factory = tier_factory or (lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle))
     mm = None
     tier = None
     root_removed = False
@@ -859,6 +861,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arena", metavar="SIZE", type=_size_arg, default=None,
                         help="host arena size (default: room for the largest request twice, "
                         f"within {format_bytes(ARENA_SOFT_LIMIT_BYTES)}; never less than the largest request)")
+    parser.add_argument("--no-recycle", action="store_true",
+                        help="evict by unlinking files and create a new one per store (DiskTier(recycle=False));"
+                        " default: stores at capacity take over the evicted files")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal, never with --json)")
@@ -887,6 +892,7 @@ def run(args: argparse.Namespace) -> int:
         capacity_bytes=args.capacity,
         root=args.root,
         engine=args.engine,
+        recycle=not args.no_recycle,
         progress=not (args.no_progress or args.json),
         arena_bytes=args.arena,
     )

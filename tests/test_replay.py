@@ -130,6 +130,10 @@ def test_capacity_forces_eviction_and_stays_correct(root):
     assert f"  evictions   {s.evictions} ({s.evictions} files taken over by stores)" in \
         format_summary(s).splitlines()
     assert s.verification_failures == 0 and s.errors == 0
+    off = run_replay(_config(os.path.join(root, "off"), capacity_bytes=1000 * (TINY_BS + 4096),
+                             recycle=False), reqs)
+    assert off.ok and off.evictions == s.evictions  # the same LRU decisions, files unlinked
+    assert off.tier_stats["files_recycled"] == off.tier_stats["evictions_recycled"] == 0
     # eviction can only lose hits relative to an unlimited tier
     assert s.blocks_hit <= sum(_reference_hits(reqs, SPB))
     assert s.blocks_requested == SPB * sum(len(r.hash_ids) for r in reqs)
