@@ -186,7 +186,7 @@ def run_block_size(args, block: int, cold: ColdCache, rng) -> list[dict]:
     shutil.rmtree(root, ignore_errors=True)
     ours_cfg = {"type": "PyKVTier", "module_path": "pykvtier.integrations.vllm",
                 "root_dir": os.path.join(root, "pykvtier"), "queue_depth": args.queue_depth,
-                "max_inflight_bytes": max(args.queue_depth * block, 64 << 20)}
+                "max_inflight_bytes": max(args.queue_depth * block, 64 << 20), "engine": args.engine}
     fs_cfg = {"type": "fs", "root_dir": os.path.join(root, "vllm-fs")}
     spec = make_spec(block, [ours_cfg, fs_cfg])
     region = SharedOffloadRegion(engine_id=f"pykvtier-bench-{uuid.uuid4().hex[:10]}",
@@ -259,11 +259,14 @@ def run_block_size(args, block: int, cold: ColdCache, rng) -> list[dict]:
             for t in tiers if rng.random() < 0.5 else tiers[::-1]:
                 steps = [jobs_for(idx, J, True) for idx in steps_idx]
                 cold.drop()
-                lats, wall, cpu, bad = [], 0.0, 0.0, 0
+                lats, wall, cpu, bad, order = [], 0.0, 0.0, 0, []
                 for idx, js in zip(steps_idx, steps):
                     prim[: len(idx)] = 0
                     c0, w0 = rusage_cpu(0), time.perf_counter()
-                    lats += t.run_step(js, True)
+                    step = t.run_step(js, True)
+                    lats += step
+                    if len(step) == inflight:  # each job's finish relative to the step's last
+                        order.append(sorted(x / max(step) for x in step))
                     wall += time.perf_counter() - w0
                     cpu += rusage_cpu(0) - c0
                     for r, k in enumerate(idx):  # outside the measured region
@@ -278,7 +281,9 @@ def run_block_size(args, block: int, cold: ColdCache, rng) -> list[dict]:
                                 "cpu_s_per_gib": cpu / (nbytes / GiB),
                                 "p50_ms": pct(lats, 0.5) * 1e3, "p99_ms": pct(lats, 0.99) * 1e3,
                                 "jobs": len(lats), "bytes": nbytes, "verified_blocks":
-                                len(idx_all), **info})
+                                len(idx_all),
+                                "step_completion": [statistics.median(c) for c in zip(*order)],
+                                **info})
                 print(f"  loaded {len(idx_all)} x {fmt_size(block)} in {J}-block jobs "
                       f"({inflight} in flight) with {t.name}: "
                       f"{results[-1]['gbps']:.2f} GB/s", flush=True)
@@ -307,6 +312,9 @@ def combine(rounds: list[list[dict]]) -> list[dict]:
         for k in ("gbps", "cpu_s_per_gib", "p50_ms", "p99_ms"):
             m[k] = statistics.median(r[k] for r in rows)
         m["rounds"] = len(rows)
+        if "step_completion" in m:  # per rank, the median over the rounds
+            m["step_completion"] = [statistics.median(c) for c in
+                                    zip(*(r["step_completion"] for r in rows))]
         m["per_round"] = [{k: r[k] for k in ("gbps", "cpu_s_per_gib", "p50_ms", "p99_ms")}
                           for r in rows]
         out.append(m)
@@ -401,7 +409,10 @@ def bounds(results: list[dict], floors: dict[int, float]) -> list[str]:
         if J >= 32 and n > 1:
             line += (f"; {n} jobs/step, in-order completion at {bw:.2f}x throughput: "
                      f"p50 >= {fifo_bound(n, 0.5) / bw:.2f}x, p99 >= {fifo_bound(n, 0.99) / bw:.2f}x "
-                     f"(device busy: {a['gbps']:.2f} vs {b['gbps']:.2f} GB/s)")
+                     f"(device busy: {a['gbps']:.2f} vs {b['gbps']:.2f} GB/s); each job's finish "
+                     f"over its step's last, in order: PyKVTier "
+                     f"{' '.join(f'{x:.2f}' for x in a['step_completion'])}, vLLM fs "
+                     f"{' '.join(f'{x:.2f}' for x in b['step_completion'])}")
         out.append(line)
     return out
 
@@ -418,6 +429,8 @@ def main() -> None:
     p.add_argument("--store-job", type=int, default=32, help="blocks per store job")
     p.add_argument("--min-jobs", type=int, default=32, help="load jobs per configuration at least")
     p.add_argument("--queue-depth", type=int, default=64, help="PyKVTier queue_depth")
+    p.add_argument("--engine", default="auto", choices=("auto", "uring", "posix"),
+                   help="PyKVTier's engine (posix: its fallback where io_uring is blocked)")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat everything (stores and loads) this many times; medians reported")
     p.add_argument("--seed", type=int, default=1)
