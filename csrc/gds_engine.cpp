@@ -121,25 +121,6 @@ int64_t pwrite_full(int fd, const void* buf, size_t n, uint64_t off) {
 
 }  // namespace
 
-double monotonic_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-}
-
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::Read: return "read";
-    case Op::Write: return "write";
-    case Op::ReadBlock: return "read_block";
-    case Op::WriteBlock: return "write_block";
-    case Op::Unlink: return "unlink";
-  }
-  return "?";
-}
-
-bool op_is_write(Op op) { return op == Op::Write || op == Op::WriteBlock || op == Op::Unlink; }
-
 Verify parse_verify(const std::string& s) {
   if (s == "auto") return PYKVTIER_DEVICE_VERIFY ? Verify::Device : Verify::Host;
   if (s == "device") {

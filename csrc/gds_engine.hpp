@@ -37,15 +37,17 @@
 
 #include "block_format.hpp"
 #include "finished_jobs.hpp"
+#include "job_ops.hpp"
 
 namespace pykvtier::gds {
 
-enum class Op : uint8_t { Read, Write, ReadBlock, WriteBlock, Unlink };
+using ::pykvtier::Op;  // (job_ops.hpp: Op, op_name, op_is_write, monotonic_seconds)
+using ::pykvtier::op_name;
+using ::pykvtier::op_is_write;
+using ::pykvtier::monotonic_seconds;
 enum class Verify : uint8_t { Device, Host, Header };
 enum class Compat : uint8_t { Off, On, Auto };  // kvikio::CompatMode
 
-const char* op_name(Op op);
-bool op_is_write(Op op);
 Verify parse_verify(const std::string& s);  // "auto" -> Device where built, else Host
 Compat parse_compat(const std::string& s);
 const char* verify_name(Verify v);
@@ -196,6 +198,5 @@ struct FileProbe {
 };
 FileProbe probe_file(const std::string& dir);
 
-double monotonic_seconds();
 
 }  // namespace pykvtier::gds

@@ -24,19 +24,10 @@
 
 #include "block_format.hpp"
 #include "finished_jobs.hpp"
+#include "job_ops.hpp"
 
 namespace pykvtier {
 
-enum class Op : uint8_t {
-  Read,        // read [offset, offset+length) of path into addr
-  Write,       // write addr into path at offset (in place, or tmp + rename when target set)
-  ReadBlock,   // read a block file: header checked, payload (length bytes) into addr
-  WriteBlock,  // write a block file to path (a temporary), then rename to target
-  Unlink,      // remove path
-};
-
-const char* op_name(Op op);
-bool op_is_write(Op op);
 
 struct Request {
   std::string path;
@@ -229,7 +220,6 @@ struct DirectProbe {
 // where the kernel reports it, else 4096).
 DirectProbe probe_direct(const std::string& dir);
 
-double monotonic_seconds();
 FinishedJob make_finished(Job& job);
 
 }  // namespace pykvtier
