@@ -132,8 +132,16 @@ def test_capacity_forces_eviction_and_stays_correct(root):
     assert s.verification_failures == 0 and s.errors == 0
     off = run_replay(_config(os.path.join(root, "off"), capacity_bytes=1000 * (TINY_BS + 4096),
                              recycle=False), reqs)
-    assert off.ok and off.evictions == s.evictions  # the same LRU decisions, files unlinked
+    assert off.ok and off.evictions > 0, off.error_samples
     assert off.tier_stats["files_recycled"] == off.tier_stats["evictions_recycled"] == 0
+    assert off.verification_failures == 0 and off.errors == 0
+    # How many evictions a run makes depends on timing (stores run in the background, so a
+    # store may find capacity held by another still in flight and be declined), so the two
+    # runs need not agree; in each, every stored block is either present or was evicted.
+    for run in (s, off):
+        present = run.tier_stats["blocks_present"]
+        assert run.blocks_stored - run.evictions == present
+        assert 0 < present <= 1000 and run.tier_stats["used_bytes"] == present * (TINY_BS + 4096)
     # eviction can only lose hits relative to an unlimited tier
     assert s.blocks_hit <= sum(_reference_hits(reqs, SPB))
     assert s.blocks_requested == SPB * sum(len(r.hash_ids) for r in reqs)
