@@ -11,6 +11,7 @@
 #include "gds_build_info.hpp"
 #include "checksum.hpp"
 #include "job_entries.hpp"
+#include "posix_engine.hpp"
 #include "uring_engine.hpp"
 #include "uring_probe.hpp"
 #include "xxh3_lanes.hpp"
@@ -62,8 +63,7 @@ std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::se
   return job;
 }
 
-py::dict stats_dict(Engine& e) {
-  auto& s = e.stats();
+py::dict stats_dict(EngineStats& s) {
   py::dict d;
   d["submits"] = s.submits.load();
   d["sqes"] = s.sqes.load();
@@ -82,6 +82,55 @@ py::dict stats_dict(Engine& e) {
   d["buffer_registration_failures"] = s.buffer_registration_failures.load();
   d["buffer_registration_errno"] = s.buffer_registration_errno.load();
   return d;
+}
+
+
+// run / submit / shutdown / stats and the finished-job methods of a host engine (io_uring,
+// posix): the same entries, results and counters for both.
+template <class Cls>
+Cls& def_host_engine(Cls& cls, const char* run_doc, const char* submit_doc, const char* shutdown_doc) {
+  using E = typename Cls::type;
+  cls.def(
+         "run",
+         [](E& e, const std::string& op, const py::sequence& entries, bool direct, uint32_t align,
+            uint32_t mem_align, bool fsync, bool latencies) -> py::object {
+           auto job = make_job(0, op, entries, direct, align, mem_align, fsync);
+           std::vector<int64_t> out;
+           {
+             py::gil_scoped_release nogil;
+             out = e.run(*job);
+           }
+           if (!latencies) return py::cast(out);
+           std::vector<double> lat;
+           lat.reserve(job->reqs.size());
+           for (auto& r : job->reqs) lat.push_back(r.done_time - r.issue_time);
+           return py::make_tuple(out, lat);
+         },
+         py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
+         py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false, run_doc)
+      .def(
+          "submit",
+          [](E& e, uint64_t job_id, const std::string& op, const py::sequence& entries, bool direct,
+             uint32_t align, uint32_t mem_align, bool fsync) {
+            e.submit(make_job(job_id, op, entries, direct, align, mem_align, fsync));
+          },
+          py::arg("job_id"), py::arg("op"), py::arg("entries"), py::arg("direct") = true,
+          py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false, submit_doc)
+      .def(
+          "shutdown",
+          [](E& e) {
+            py::gil_scoped_release nogil;
+            e.shutdown();
+          },
+          shutdown_doc)
+      .def("stats", [](E& e) { return stats_dict(e.stats()); },
+           "Counters: submits (io_uring_submit calls carrying SQEs; 0 for the posix engine), sqes,\n"
+           "cqes, jobs_*, requests_*, bytes_read, bytes_written, fixed_buffer_ios,\n"
+           "verify_failures, rename_existing, recycled (files reused by write_block),\n"
+           "recycle_failures (files to recycle that could be neither renamed nor removed).")
+      .def_property_readonly("queue_depth", [](E& e) { return e.config().queue_depth; })
+      .def_property_readonly("max_inflight_bytes", [](E& e) { return e.config().max_inflight_bytes; });
+  return def_finished_jobs(cls);
 }
 
 }  // namespace
@@ -228,50 +277,17 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
              }
            }),
            py::arg("queue_depth") = 64, py::arg("max_inflight_bytes") = 256ull << 20,
-           py::arg("workers") = 1, py::arg("store_share") = 0.5)
-      .def(
-          "run",
-          [](Engine& e, const std::string& op, const py::sequence& entries, bool direct, uint32_t align,
-             uint32_t mem_align, bool fsync, bool latencies) -> py::object {
-            auto job = make_job(0, op, entries, direct, align, mem_align, fsync);
-            std::vector<int64_t> out;
-            {
-              py::gil_scoped_release nogil;
-              out = e.run(*job);
-            }
-            if (!latencies) return py::cast(out);
-            std::vector<double> lat;
-            lat.reserve(job->reqs.size());
-            for (auto& r : job->reqs) lat.push_back(r.done_time - r.issue_time);
-            return py::make_tuple(out, lat);
-          },
-          py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
-          py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false,
-          "Runs one batch on the calling thread's ring, as few io_uring_submit calls as the ring\n"
-          "allows; the GIL is released while the kernel works. Returns one result per entry, or\n"
-          "with latencies=True (results, seconds from each entry's SQEs being prepared to its\n"
-          "result). Raises ValueError naming the entry for a misaligned address/length/offset\n"
-          "(direct=True) or a malformed entry, before any I/O.")
-      .def(
-          "submit",
-          [](Engine& e, uint64_t job_id, const std::string& op, const py::sequence& entries, bool direct,
-             uint32_t align, uint32_t mem_align, bool fsync) {
-            auto job = make_job(job_id, op, entries, direct, align, mem_align, fsync);
-            e.submit(std::move(job));
-          },
-          py::arg("job_id"), py::arg("op"), py::arg("entries"), py::arg("direct") = true,
-          py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false,
-          "Queues a job for the background ring(s) and returns at once. Loads (read, read_block)\n"
-          "go before stores. Each job's SQEs are handed to the kernel in one io_uring_submit when\n"
-          "the ring has room. Finished jobs are reported by poll().");
-  def_finished_jobs(cls)
-      .def(
-          "shutdown",
-          [](Engine& e) {
-            py::gil_scoped_release nogil;
-            e.shutdown();
-          },
-          "Finishes queued jobs, stops the worker threads, closes the rings. Idempotent.")
+           py::arg("workers") = 1, py::arg("store_share") = 0.5);
+  def_host_engine(cls,
+      "Runs one batch on the calling thread's ring, as few io_uring_submit calls as the ring\n"
+      "allows; the GIL is released while the kernel works. Returns one result per entry, or\n"
+      "with latencies=True (results, seconds from each entry's SQEs being prepared to its\n"
+      "result). Raises ValueError naming the entry for a misaligned address/length/offset\n"
+      "(direct=True) or a malformed entry, before any I/O.",
+      "Queues a job for the background ring(s) and returns at once. Loads (read, read_block)\n"
+      "go before stores. Each job's SQEs are handed to the kernel in one io_uring_submit when\n"
+      "the ring has room. Finished jobs are reported by poll().",
+      "Finishes queued jobs, stops the worker threads, closes the rings. Idempotent.")
       .def("register_buffer", &Engine::register_buffer, py::arg("addr"), py::arg("nbytes"),
            "Registers [addr, addr+nbytes) as io_uring fixed buffers (split in 1 GiB pieces);\n"
            "requests whose memory lies inside use READ_FIXED/WRITE_FIXED. The memory must stay\n"
@@ -287,12 +303,50 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
           "Blocks (GIL released) until the background rings have registered the current fixed\n"
           "buffers: registration pins (and faults in) the memory, a one-time cost this moves out\n"
           "of the first jobs. Returns False on timeout. Registration failures (e.g.\n"
-          "RLIMIT_MEMLOCK) are counted in stats(): the rings then use plain READ/WRITE.")
-      .def("stats", &stats_dict,
-           "Counters: submits (io_uring_submit calls carrying SQEs), sqes, cqes, jobs_*, requests_*,\n"
-           "bytes_read, bytes_written, fixed_buffer_ios, verify_failures, rename_existing,\n"
-           "recycled (files reused by write_block), recycle_failures (files to recycle that could\n"
-           "be neither renamed nor removed).")
-      .def_property_readonly("queue_depth", [](Engine& e) { return e.config().queue_depth; })
-      .def_property_readonly("max_inflight_bytes", [](Engine& e) { return e.config().max_inflight_bytes; });
+          "RLIMIT_MEMLOCK) are counted in stats(): the rings then use plain READ/WRITE.");
+
+  auto posix = py::class_<PosixEngine>(m, "PosixEngine", R"doc(
+Batched block I/O by plain system calls (open, preadv/pwritev, renameat2) on a thread pool:
+the engine for machines where io_uring is refused (a container's seccomp profile,
+io_uring_disabled, an old kernel). Same entries, results, block files and counters as Engine;
+its threads are C++ threads that never take the GIL.
+
+PosixEngine(queue_depth=64, max_inflight_bytes=256 MiB, workers=1, threads=16, store_share=0.5)
+
+threads: requests in flight (one blocking request per thread; at most queue_depth): the
+device's queue depth, as an io_uring ring's. Threads waiting on the disk cost no CPU.
+store_share: the share of the threads that stores and unlinks may hold at once, so a load
+submitted during a burst of stores starts within one request (loads go first).
+max_inflight_bytes and workers are accepted for Engine's signature; threads bound both.
+register_buffer / await_buffers do nothing (no fixed buffers without io_uring).
+)doc");
+  posix.def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned /*workers*/,
+                        unsigned threads, double store_share) {
+             if (!(store_share > 0.0 && store_share <= 1.0))
+               throw py::value_error("store_share must be in (0, 1]");
+             if (threads == 0 || queue_depth == 0)
+               throw py::value_error("threads and queue_depth must be at least 1");
+             PosixEngineConfig c;
+             c.queue_depth = queue_depth;
+             c.max_inflight_bytes = max_inflight_bytes;
+             c.threads = threads;
+             c.store_share = store_share;
+             return std::make_unique<PosixEngine>(c);
+           }),
+           py::arg("queue_depth") = 64, py::arg("max_inflight_bytes") = 256ull << 20,
+           py::arg("workers") = 1, py::arg("threads") = 16, py::arg("store_share") = 0.5);
+  def_host_engine(posix,
+      "Runs one batch on the engine's threads and waits (GIL released). Returns one result per\n"
+      "entry, or with latencies=True (results, seconds each entry's system calls took). Raises\n"
+      "ValueError naming the entry for a misaligned address/length/offset (direct=True) or a\n"
+      "malformed entry, before any I/O; RuntimeError after shutdown().",
+      "Queues a job for the engine's threads and returns at once; loads (read, read_block) go\n"
+      "before stores. Finished jobs are reported by poll(). RuntimeError after shutdown().",
+      "Finishes queued jobs and stops the threads. Idempotent.")
+      .def("register_buffer", [](PosixEngine&, uint64_t, uint64_t) { return 0u; }, py::arg("addr"),
+           py::arg("nbytes"), "No fixed buffers without io_uring: does nothing, returns 0.")
+      .def("unregister_buffers", [](PosixEngine&) {})
+      .def("await_buffers", [](PosixEngine&, std::optional<double>) { return true; },
+           py::arg("timeout_s") = py::none(), "Nothing to register: returns True.")
+      .def_property_readonly("threads", &PosixEngine::threads);
 }

@@ -22,66 +22,17 @@
 #include <unordered_map>
 #include <vector>
 
-#include "block_format.hpp"
 #include "finished_jobs.hpp"
-#include "job_ops.hpp"
+#include "job.hpp"
 
 namespace pykvtier {
 
-
-struct Request {
-  std::string path;
-  std::string target;  // writes: rename path -> target (RENAME_NOREPLACE) once written
-  // write_block: an evicted block file of the same size to reuse instead of creating one. It is
-  // renamed to path first (RENAME_NOREPLACE) and overwritten in place, which spares the file
-  // system an inode and extent allocation (and the freeing of the evicted file). If it cannot
-  // be renamed (other than: it is gone) path is created afresh and it is unlinked afterwards.
-  std::string recycle;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  uint64_t addr = 0;
-  uint8_t digest[kDigestBytes] = {};
-  int64_t result = 0;
-  double issue_time = 0, done_time = 0;  // CLOCK_MONOTONIC seconds: chain prepared, result known
-};
-
-struct Job {
-  uint64_t id = 0;
-  Op op = Op::Read;
-  bool direct = true;
-  bool fsync = false;
-  std::vector<Request> reqs;
-  size_t next = 0;  // next request to issue
-  size_t done = 0;  // requests finished
-  uint32_t submits = 0;
-  double submit_time = 0, start_time = 0, end_time = 0;  // CLOCK_MONOTONIC seconds
-};
-
-struct FinishedJob {
-  uint64_t id;
-  Op op;
-  std::vector<int64_t> results;
-  uint32_t submits;
-  double queued_s;    // submit -> first SQE handed to the kernel
-  double transfer_s;  // first SQE -> last completion
-};
 
 struct EngineConfig {
   unsigned queue_depth = 64;                 // requests in flight per ring
   uint64_t max_inflight_bytes = 256ull << 20;  // payload bytes in flight per ring
   unsigned workers = 1;                      // background rings for submit()
   double store_share = 0.5;                  // share of slots and bytes stores may hold
-};
-
-struct EngineStats {
-  std::atomic<uint64_t> submits{0}, sqes{0}, cqes{0};
-  std::atomic<uint64_t> jobs_submitted{0}, jobs_finished{0};
-  std::atomic<uint64_t> requests_ok{0}, requests_failed{0};
-  std::atomic<uint64_t> bytes_read{0}, bytes_written{0};
-  std::atomic<uint64_t> fixed_buffer_ios{0}, verify_failures{0}, rename_existing{0};
-  std::atomic<uint64_t> buffer_registration_failures{0};
-  std::atomic<uint64_t> recycled{0}, recycle_failures{0};  // reused files; victims left behind
-  std::atomic<int> buffer_registration_errno{0};
 };
 
 struct BufferRegion {
@@ -219,7 +170,5 @@ struct DirectProbe {
 // Probes whether dir's file system takes O_DIRECT, and its alignment (statx STATX_DIOALIGN
 // where the kernel reports it, else 4096).
 DirectProbe probe_direct(const std::string& dir);
-
-FinishedJob make_finished(Job& job);
 
 }  // namespace pykvtier

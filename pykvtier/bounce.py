@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .posix_engine import FinishedJobsQueue
 
 __all__ = ["BounceEngine", "Copier", "HostCopier"]
 
@@ -118,6 +117,35 @@ class _Chunk:
     slots: list[int] = field(default_factory=list)  # bounce slots, one per entry
     tokens: list = field(default_factory=list)  # copies in flight (loads: after the read)
     host_results: list[int] = field(default_factory=list)
+
+
+class FinishedJobsQueue:
+    """The completion side of a Python engine, as ``_native.Engine``'s: finished jobs as
+    ``(job_id, op, results, submits, queued_s, transfer_s)``, each polled once. Subclasses set
+    ``_mu`` (a Condition), ``_finished`` (a list) and ``_outstanding`` (jobs not finished) and
+    notify ``_mu`` when a job finishes."""
+
+    _mu: threading.Condition
+    _finished: list
+    _outstanding: int
+
+    def poll(self) -> list[tuple]:
+        with self._mu:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        with self._mu:
+            self._mu.wait_for(lambda: self._finished or self._outstanding == 0, timeout_s)
+            return bool(self._finished)
+
+    def drain(self) -> None:
+        with self._mu:
+            self._mu.wait_for(lambda: self._outstanding == 0)
+
+    def pending_jobs(self) -> int:
+        with self._mu:
+            return self._outstanding
 
 
 class BounceEngine(FinishedJobsQueue):

@@ -101,44 +101,16 @@ _GDS_NOT_WIRED = ("pykvtier-gds: GPUDirect Storage is available here, but `pykvt
 
 # --------------------------------------------------------------------------- engines
 
-def _posix_engine_class():
-    from ..posix_engine import PosixEngine
-
-    class TimedPosixEngine(PosixEngine):
-        """PosixEngine whose run() also returns per-request seconds (as _native.Engine's
-        ``latencies=True``). One thread per request in flight, so iodepth means what it says."""
-
-        def run(self, op, entries, direct=True, align=4096, mem_align=0, fsync=False,
-                latencies=False):
-            if not latencies:
-                return super().run(op, entries, direct, align, mem_align, fsync)
-            reqs = self._validate(op, entries, direct, align, mem_align or align)
-
-            def one(r):
-                t0 = time.monotonic()
-                res = self._do(op, r, direct, fsync)
-                return res, time.monotonic() - t0
-
-            out = list(self._pool.map(one, reqs))
-            results = [r for r, _ in out]
-            self._count(results)
-            with self._mu:
-                for r in results:
-                    if r > 0:
-                        self._stats["bytes_read" if op == "read" else "bytes_written"] += r
-            return results, [t for _, t in out]
-
-    return TimedPosixEngine
-
-
 def make_engine(engine: str, queue_depth: int, bs: int):
     """(engine object, kind) for one stream."""
     if engine == "pykvtier-gds":
         raise EngineUnavailable(gds_unavailable_reason() or _GDS_NOT_WIRED)
     if engine == "pykvtier-posix":
-        cls = _posix_engine_class()
-        return cls(queue_depth=queue_depth, max_inflight_bytes=queue_depth * bs,
-                   threads=min(queue_depth, 256)), "posix"
+        from ..posix_engine import PosixEngine
+
+        # one thread per request in flight, so iodepth means what it says; store_share=1 as below
+        return PosixEngine(queue_depth=queue_depth, max_inflight_bytes=queue_depth * bs,
+                           threads=min(queue_depth, 256), store_share=1.0), "posix"
     from .. import _native
 
     try:

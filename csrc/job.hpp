@@ -1,0 +1,72 @@
+// A job and its requests, as every host engine (io_uring, posix) runs them, with the block
+// header each writes and checks. No Python objects here (see bindings.cpp).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "block_format.hpp"
+#include "job_ops.hpp"
+
+namespace pykvtier {
+
+struct Request {
+  std::string path;
+  std::string target;  // writes: rename path -> target (RENAME_NOREPLACE) once written
+  // write_block: an evicted block file of the same size to reuse instead of creating one. It is
+  // renamed to path first (RENAME_NOREPLACE) and overwritten in place, which spares the file
+  // system an inode and extent allocation (and the freeing of the evicted file). If it cannot
+  // be renamed (other than: it is gone) path is created afresh and it is unlinked afterwards.
+  std::string recycle;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t addr = 0;
+  uint8_t digest[kDigestBytes] = {};
+  int64_t result = 0;
+  double issue_time = 0, done_time = 0;  // CLOCK_MONOTONIC seconds: chain prepared, result known
+};
+
+struct Job {
+  uint64_t id = 0;
+  Op op = Op::Read;
+  bool direct = true;
+  bool fsync = false;
+  std::vector<Request> reqs;
+  size_t next = 0;  // next request to issue
+  size_t done = 0;  // requests finished
+  uint32_t submits = 0;
+  double submit_time = 0, start_time = 0, end_time = 0;  // CLOCK_MONOTONIC seconds
+};
+
+struct FinishedJob {
+  uint64_t id;
+  Op op;
+  std::vector<int64_t> results;
+  uint32_t submits;
+  double queued_s;    // submit -> first SQE handed to the kernel
+  double transfer_s;  // first SQE -> last completion
+};
+
+struct EngineStats {
+  std::atomic<uint64_t> submits{0}, sqes{0}, cqes{0};
+  std::atomic<uint64_t> jobs_submitted{0}, jobs_finished{0};
+  std::atomic<uint64_t> requests_ok{0}, requests_failed{0};
+  std::atomic<uint64_t> bytes_read{0}, bytes_written{0};
+  std::atomic<uint64_t> fixed_buffer_ios{0}, verify_failures{0}, rename_existing{0};
+  std::atomic<uint64_t> buffer_registration_failures{0};
+  std::atomic<uint64_t> recycled{0}, recycle_failures{0};  // reused files; victims left behind
+  std::atomic<int> buffer_registration_errno{0};
+};
+
+FinishedJob make_finished(Job& job);
+
+// Fills hdr (kHeaderBytes) with the header of the block r writes: r.length payload bytes at
+// r.addr, key digest r.digest.
+void fill_header(char* hdr, const Request& r);
+// Checks the header hdr (kHeaderBytes, read from a block file) and the payload read into
+// r.addr against r: 0 if the block is whole and r's key, else one of the kErr* codes.
+int64_t verify_block(const char* hdr, const Request& r);
+
+}  // namespace pykvtier

@@ -1,0 +1,160 @@
+"""The C++ posix engine (pykvtier._native.PosixEngine): the io_uring engine's contract, by
+plain system calls on a thread pool.
+
+The engine-agnostic tests of test_engine.py run here again with ``engine`` a PosixEngine (same
+entries, results, errors and counters); the rest checks what is the posix engine's own: its
+thread count, loads before stores, the jobs run() and submit() count, shutdown.
+Completions are awaited with run(), drain() or wait(); no sleeps.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from pykvtier import _native
+from pykvtier.layout import HEADER_BYTES, key_digest
+
+from test_engine import (  # noqa: F401  (collected again here, with the fixture below)
+    KiB,
+    MiB,
+    addr,
+    drain_poll,
+    file_bytes,
+    test_alignment_is_the_callers,
+    test_block_verification_results,
+    test_buffered_path_takes_unaligned_memory,
+    test_failed_exclusive_open_leaves_foreign_temporary_alone,
+    test_malformed_entries,
+    test_misaligned_direct_entry_rejected_before_any_io,
+    test_missing_file_fails_only_its_entry,
+    test_raw_write_with_rename_target,
+    test_run_reports_per_request_latencies,
+    test_short_reads_are_never_success,
+    test_write_block_keeps_existing_final_file,
+)
+
+PosixEngine = _native.PosixEngine
+
+
+@pytest.fixture
+def engine():
+    e = PosixEngine(queue_depth=16)
+    yield e
+    e.shutdown()
+
+
+@pytest.mark.parametrize("size", [4 * KiB, 256 * KiB, 2 * MiB], ids=["4K", "256K", "2M"])
+def test_block_and_raw_round_trip(direct_root, aligned, engine, size):
+    n = 5
+    src = aligned(n * size)
+    src.view(np.uint32)[:] = np.arange(src.nbytes // 4, dtype=np.uint32) * np.uint32(2654435761)
+    dst = aligned(n * size)
+    paths = [os.path.join(direct_root, f"b{i}.kvb") for i in range(n)]
+    digests = [key_digest(b"k%d" % i) for i in range(n)]
+    engine.submit(1, "write_block", [(p + ".t", p, size, addr(src) + i * size, digests[i])
+                                     for i, p in enumerate(paths)])
+    assert drain_poll(engine) == {1: ("write_block", [size] * n, 0)}  # 0: no io_uring_submit
+    assert sorted(os.listdir(direct_root)) == sorted(os.path.basename(p) for p in paths)
+    for i, p in enumerate(paths):
+        assert file_bytes(p)[HEADER_BYTES:] == src[i * size : (i + 1) * size].tobytes()
+    # read back in reverse into other slots
+    engine.submit(2, "read_block", [(p, size, addr(dst) + (n - 1 - i) * size, digests[i])
+                                    for i, p in enumerate(paths)])
+    assert drain_poll(engine) == {2: ("read_block", [size] * n, 0)}
+    for i in range(n):
+        assert np.array_equal(dst[(n - 1 - i) * size : (n - i) * size], src[i * size : (i + 1) * size])
+    raw = os.path.join(direct_root, "raw")
+    assert engine.run("write", [(raw, size, size, addr(src)), (raw + "2", 0, size, addr(src) + size)]) == [size] * 2
+    assert engine.run("read", [(raw, size, size, addr(dst))]) == [size]
+    assert np.array_equal(dst[:size], src[:size])
+    s = engine.stats()
+    assert s["jobs_submitted"] == s["jobs_finished"] == 4
+    assert s["requests_ok"] == 2 * n + 3 and s["requests_failed"] == 0
+    assert s["bytes_written"] == (n + 2) * size and s["bytes_read"] == (n + 1) * size
+    assert s["submits"] == s["sqes"] == s["fixed_buffer_ios"] == 0
+
+
+def test_threads_are_bounded_by_queue_depth_and_checked():
+    for qd, threads, want in [(16, 4, 4), (2, 8, 2), (64, 1, 1), (64, None, 16), (8, None, 8)]:
+        e = PosixEngine(queue_depth=qd, **({} if threads is None else {"threads": threads}))
+        try:
+            assert e.threads == want and e.queue_depth == qd
+        finally:
+            e.shutdown()
+    with pytest.raises(ValueError, match="store_share"):
+        PosixEngine(store_share=1.5)
+    with pytest.raises(ValueError, match="threads and queue_depth must be at least 1"):
+        PosixEngine(threads=0)
+
+
+def test_fixed_buffer_calls_are_accepted_and_do_nothing(aligned, engine):
+    buf = aligned(4 * KiB)
+    assert engine.register_buffer(addr(buf), buf.nbytes) == 0
+    assert engine.await_buffers(0.0) is True
+    engine.unregister_buffers()
+    assert engine.stats()["buffer_registration_failures"] == 0
+
+
+def test_loads_overtake_a_burst_of_stores(direct_root, aligned):
+    """store_share=0.25 of 4 threads: stores hold one thread, so a load job submitted after 64
+    queued store requests is taken by an idle thread at once and finishes first."""
+    e = PosixEngine(queue_depth=8, threads=4, store_share=0.25)
+    try:
+        size, n_store = 1 * MiB, 64
+        src = aligned(n_store * size, fill=3)
+        dst = aligned(2 * size)
+        paths = [os.path.join(direct_root, f"l{i}") for i in range(2)]
+        e.run("write", [(p, 0, size, addr(src)) for p in paths])
+        e.submit(1, "write", [(os.path.join(direct_root, f"s{i}"), 0, size, addr(src) + i * size)
+                              for i in range(n_store)])
+        e.submit(2, "read", [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
+        order = []
+        while len(order) < 2:
+            e.wait()
+            order += [jid for jid, *_ in e.poll()]
+        assert order == [2, 1]
+        assert np.array_equal(dst[:size], src[:size]) and np.array_equal(dst[size:], src[:size])
+    finally:
+        e.shutdown()
+
+
+def test_unlink_and_empty_jobs(root, engine):
+    paths = [os.path.join(root, f"u{i}") for i in range(3)]
+    for p in paths[:2]:
+        with open(p, "wb") as f:
+            f.write(b"x")
+    assert engine.run("unlink", [paths[0], (paths[1],), paths[2]], direct=False) == [0, 0, -errno.ENOENT]
+    assert os.listdir(root) == []
+    engine.submit(7, "unlink", [paths[0]])
+    engine.submit(8, "read", [])
+    assert engine.run("read", []) == []
+    assert drain_poll(engine) == {7: ("unlink", [-errno.ENOENT], 0), 8: ("read", [], 0)}
+    s = engine.stats()
+    assert s["requests_ok"] == 2 and s["requests_failed"] == 2
+
+
+def test_shutdown_completes_pending_work(direct_root, aligned):
+    e = PosixEngine(queue_depth=4, threads=2)
+    size, n = 256 * KiB, 30
+    src = aligned(n * size, fill=21)
+    paths = [os.path.join(direct_root, f"s{i}") for i in range(n)]
+    for i in range(n):
+        e.submit(i, "write_block",
+                 [(paths[i] + ".t", paths[i], size, addr(src) + i * size, key_digest(b"%d" % i))])
+    e.shutdown()  # no drain first
+    assert e.pending_jobs() == 0
+    got = {jid: (op, results) for jid, op, results, *_ in e.poll()}
+    assert got == {i: ("write_block", [size]) for i in range(n)}
+    for i in range(n):
+        assert file_bytes(paths[i])[HEADER_BYTES:] == src[i * size : (i + 1) * size].tobytes()
+    assert sorted(os.listdir(direct_root)) == sorted(os.path.basename(p) for p in paths)
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.submit(n, "unlink", [paths[0]])
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.run("unlink", [paths[0]])
+    e.shutdown()  # idempotent
+    assert os.path.exists(paths[0])
