@@ -324,14 +324,20 @@ register_buffer / await_buffers do nothing (no fixed buffers without io_uring).
                         unsigned threads, double store_share) {
              if (!(store_share > 0.0 && store_share <= 1.0))
                throw py::value_error("store_share must be in (0, 1]");
-             if (threads == 0 || queue_depth == 0)
-               throw py::value_error("threads and queue_depth must be at least 1");
+             if (threads == 0 || threads > 4096)
+               throw py::value_error("threads must be in 1..4096");
+             if (queue_depth == 0 || queue_depth > 4096)
+               throw py::value_error("queue_depth must be in 1..4096");
              PosixEngineConfig c;
              c.queue_depth = queue_depth;
              c.max_inflight_bytes = max_inflight_bytes;
              c.threads = threads;
              c.store_share = store_share;
-             return std::make_unique<PosixEngine>(c);
+             try {
+               return std::make_unique<PosixEngine>(c);
+             } catch (const std::system_error& e) {
+               throw py::value_error(std::string("cannot start the posix engine's threads: ") + e.what());
+             }
            }),
            py::arg("queue_depth") = 64, py::arg("max_inflight_bytes") = 256ull << 20,
            py::arg("workers") = 1, py::arg("threads") = 16, py::arg("store_share") = 0.5);

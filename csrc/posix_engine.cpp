@@ -60,7 +60,12 @@ PosixEngine::PosixEngine(PosixEngineConfig cfg) : cfg_(cfg) {
   nthreads_ = n;
   store_limit_ = std::max(1u, unsigned(std::floor(double(n) * cfg_.store_share)));
   threads_.reserve(n);
-  for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { thread_main(); });
+  try {
+    for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { thread_main(); });
+  } catch (...) {  // e.g. EAGAIN: no more threads allowed; stop the ones started, then report
+    shutdown();
+    throw;
+  }
 }
 
 PosixEngine::~PosixEngine() { shutdown(); }
@@ -128,7 +133,10 @@ void PosixEngine::thread_main() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     work_cv_.wait(lk, [&] { return can_take() || (stopping_ && loads_.empty() && stores_.empty()); });
-    if (!can_take()) break;  // stopping, nothing queued
+    if (!can_take()) {  // stopping, nothing queued: wake the others to see it too
+      work_cv_.notify_all();
+      break;
+    }
     const bool load = !loads_.empty();
     auto& q = load ? loads_ : stores_;
     Job* job = q.front();
@@ -186,15 +194,10 @@ void PosixEngine::execute(const Job& job, Request& r, char* hdr) {
 }
 
 int64_t PosixEngine::read(const Job& job, const Request& r, char* hdr) {
-  // O_NONBLOCK: a FIFO put at a block's name must not hang the open (regular files ignore it);
-  // anything but a regular file is refused.
+  // O_NONBLOCK: a FIFO put at a block's name must not hang the open (regular files and block
+  // devices ignore it); its read then fails (ESPIPE), as a directory's does (EISDIR).
   const int fd = ::open(r.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | (job.direct ? O_DIRECT : 0));
   if (fd < 0) return -errno;
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return -EINVAL;
-  }
   const bool block = job.op == Op::ReadBlock;
   iovec iov[2];
   int cnt = 0;
@@ -218,9 +221,12 @@ int64_t PosixEngine::read(const Job& job, const Request& r, char* hdr) {
 int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own) {
   const int direct = job.direct ? O_DIRECT : 0;
   const bool tmp = !r.target.empty();
-  // A recycled file (own): never through a symlink, never waiting on a FIFO, never created.
+  // A fresh temporary is new (O_EXCL). A recycled file (own) is never opened through a symlink
+  // and never created. Neither it nor a file written in place (no temporary) may make the open
+  // wait for a FIFO's reader (O_NONBLOCK, dropped once open).
+  const bool nonblock = own || !tmp;
   const int flags = own ? O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | direct
-                        : O_WRONLY | O_CREAT | O_CLOEXEC | direct | (tmp ? O_EXCL : 0);
+                        : O_WRONLY | O_CREAT | O_CLOEXEC | direct | (tmp ? O_EXCL : O_NONBLOCK);
   const int fd = ::open(r.path.c_str(), flags, 0644);
   if (fd < 0) return -errno;
   int64_t err = 0;
@@ -228,9 +234,8 @@ int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own
     struct stat st;
     if (::fstat(fd, &st) != 0 || !reusable(st, r.length))  // swapped since the lstat
       err = -EINVAL;
-    else
-      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   }
+  if (err == 0 && nonblock && ::fcntl(fd, F_SETFL, direct) != 0) err = -errno;
   if (err == 0) {
     const bool block = job.op == Op::WriteBlock;
     iovec iov[2];

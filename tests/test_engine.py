@@ -297,6 +297,49 @@ def test_malformed_entries(engine, op, entry, needle):
     assert engine.stats()["jobs_submitted"] == 0
 
 
+@pytest.mark.parametrize("cls", ["Engine", "PosixEngine"])
+@pytest.mark.parametrize("op", ["read", "read_block", "write", "write_block", "unlink"])
+def test_paths_the_kernel_cannot_take_are_rejected_before_any_io(root, aligned, cls, op):
+    """An empty path, a NUL byte or PATH_MAX bytes fail before the ring (io_uring would fail
+    them while preparing the open, cancelling the rest of the chain without completions)."""
+    e = getattr(_native, cls)(queue_depth=4)
+    buf = aligned(4096)
+    good = os.path.join(root, "good")
+    long_ = "/" + "/".join(["d" * 200] * 21)[: 4094] + "x"  # 4096 bytes
+    assert len(long_) == 4096
+
+    def entry(path, target=None, recycle=None):
+        if op == "unlink":
+            return path
+        if op in ("read", "write"):
+            return (path, 0, 4096, addr(buf)) + ((target,) if target is not None else ())
+        if op == "read_block":
+            return (path, 4096, addr(buf), key_digest(b"k"))
+        return (path, target if target is not None else good + ".kvb", 4096, addr(buf), key_digest(b"k"),
+                recycle if recycle is not None else "")
+
+    cases = [(entry(""), "path is empty"), (entry(good + "\0x"), "path contains a NUL byte"),
+             (entry(long_), "path is 4096 bytes, not shorter than PATH_MAX")]
+    if op in ("write", "write_block"):
+        cases.append((entry(good, target=good + "\0"), "rename target contains a NUL byte"))
+    if op == "write_block":
+        cases.append((entry(good, recycle=long_), "recycle path is 4096 bytes"))
+    try:
+        for bad, needle in cases:
+            for via in ("run", "submit"):
+                with pytest.raises(ValueError, match=r"^entry 1 \(.*\): " + needle):
+                    if via == "run":
+                        e.run(op, [entry(good), bad], direct=False)
+                    else:
+                        e.submit(1, op, [entry(good), bad], direct=False)
+        assert os.listdir(root) == [] and e.stats()["jobs_submitted"] == 0
+        # one byte shorter reaches the kernel, which answers per entry (its directories do not exist)
+        res = e.run(op, [entry(long_[:4095])], direct=False)
+        assert res == [-errno.ENOENT]
+    finally:
+        e.shutdown()
+
+
 def test_unknown_op_and_bad_align(engine):
     with pytest.raises(ValueError, match="unknown op 'copy'"):
         engine.run("copy", [])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -87,8 +89,12 @@ def test_threads_are_bounded_by_queue_depth_and_checked():
             e.shutdown()
     with pytest.raises(ValueError, match="store_share"):
         PosixEngine(store_share=1.5)
-    with pytest.raises(ValueError, match="threads and queue_depth must be at least 1"):
+    with pytest.raises(ValueError, match=r"threads must be in 1\.\.4096"):
         PosixEngine(threads=0)
+    with pytest.raises(ValueError, match=r"threads must be in 1\.\.4096"):
+        PosixEngine(threads=5000)
+    with pytest.raises(ValueError, match=r"queue_depth must be in 1\.\.4096"):
+        PosixEngine(queue_depth=5000)
 
 
 def test_fixed_buffer_calls_are_accepted_and_do_nothing(aligned, engine):
@@ -158,3 +164,59 @@ def test_shutdown_completes_pending_work(direct_root, aligned):
         e.run("unlink", [paths[0]])
     e.shutdown()  # idempotent
     assert os.path.exists(paths[0])
+
+
+_SHUTDOWN_SCRIPT = r"""
+import mmap, os, sys
+import numpy as np
+from pykvtier import _native
+from pykvtier.layout import key_digest
+root = sys.argv[1]
+# 4 threads, stores may hold 1: three threads sleep on the store limit while one writes
+e = _native.PosixEngine(threads=4, store_share=0.25)
+m = mmap.mmap(-1, 64 << 10)
+a = np.frombuffer(m, dtype=np.uint8).ctypes.data
+e.submit(1, "write_block", [(f"{root}/b{i}.t", f"{root}/b{i}", 64 << 10, a, key_digest(b"%d" % i))
+                            for i in range(200)])
+e.submit(2, "unlink", [f"{root}/none{i}" for i in range(50)])
+e.shutdown()  # no drain first: the queued requests finish, then every thread stops
+got = {jid: results for jid, _op, results, *_ in e.poll()}
+assert got[1] == [64 << 10] * 200 and got[2] == [-2] * 50, got
+del e
+e = _native.PosixEngine(threads=16)
+e.submit(3, "write_block", [(f"{root}/c{i}.t", f"{root}/c{i}", 64 << 10, a, key_digest(b"c%d" % i))
+                            for i in range(100)])
+del e  # the destructor: same path, with the jobs unpolled
+print(len(os.listdir(root)))
+"""
+
+
+def test_shutdown_with_stores_queued_beyond_the_store_limit(root):
+    """Threads asleep on the store limit wake to stop when the last queued request is taken
+    (in a child: a lost wake-up would hang the interpreter; timeout only as a deadlock guard)."""
+    proc = subprocess.run([sys.executable, "-c", _SHUTDOWN_SCRIPT, root], capture_output=True,
+                          text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.split() == ["300"]  # 200 + 100 blocks, no temporaries
+
+
+def test_never_waits_on_a_fifo_and_reads_what_io_uring_reads(root, aligned, engine):
+    buf = aligned(8 * KiB, fill=9)
+    fifo = os.path.join(root, "fifo")
+    os.mkfifo(fifo)
+    # an in-place write to a FIFO without a reader: the open does not wait for one
+    assert engine.run("write", [(fifo, 0, 4096, addr(buf))], direct=False) == [-errno.ENXIO]
+    # reads: the open does not wait for a writer; the positioned read of a FIFO fails
+    assert engine.run("read", [(fifo, 0, 4096, addr(buf))], direct=False) == [-errno.ESPIPE]
+    assert engine.run("read_block", [(fifo, 4096, addr(buf), key_digest(b"f"))],
+                      direct=False) == [-errno.ESPIPE]
+    # not a regular file, read as the io_uring engine reads it
+    ref = _native.Engine(queue_depth=4)
+    try:
+        for path, op in [(root, "read"), ("/dev/zero", "read"), ("/dev/zero", "read_block"),
+                         ("/dev/null", "read_block")]:
+            entry = ((path, 0, 4096, addr(buf)) if op == "read"
+                     else (path, 4096, addr(buf), key_digest(b"z")))
+            assert engine.run(op, [entry], direct=False) == ref.run(op, [entry], direct=False), (path, op)
+    finally:
+        ref.shutdown()
