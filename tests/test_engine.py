@@ -784,7 +784,12 @@ def test_loads_overtake_a_burst_of_stores(direct_root, aligned):
         e.submit(1, "write", [(os.path.join(direct_root, f"s{i}"), 0, size, addr(src) + i * size)
                               for i in range(n_store)])
         e.submit(2, "read", [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
-        order = []
+        order = [jid for jid, *_ in e.poll()]
+        if order or e.stats()["bytes_written"] >= (2 + n_store // 2) * size:
+            # this thread was off the CPU while half the stores ran: the load came too late to
+            # show anything (the precondition, not the behaviour, failed)
+            e.drain()
+            pytest.skip("the store job was mostly done before the load was submitted")
         while len(order) < 2:
             e.wait()
             order += [jid for jid, *_ in e.poll()]

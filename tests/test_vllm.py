@@ -511,7 +511,8 @@ def test_lookup_never_blocks(root, stack, make_tier):
     """Every lookup answer (HIT, MISS, RETRY while written, RETRY while probed) comes from
     memory: the engines' and the probe's blocking calls are made to fail during lookups. The
     measured time per lookup is printed (no timed assert)."""
-    s = stack([tier_config(root, shared=True)], num_chunks=8)
+    # probe_ttl_s: a probe's "not found" must not expire before the MISS it is asserted as
+    s = stack([tier_config(root, shared=True, probe_ttl_s=3600.0)], num_chunks=8)
     tier = s.tier
     w = s.request("w")
     stored = [key(i) for i in range(4)]
