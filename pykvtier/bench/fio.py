@@ -57,8 +57,10 @@ def fio_version() -> str | None:
 
 
 def bench_command() -> list[str]:
-    """How to start ``pykvtier bench`` (this interpreter, so the same pykvtier)."""
-    return [sys.executable, "-m", "pykvtier.cli", "bench"]
+    """How to start ``pykvtier bench`` (this interpreter, so the same pykvtier). ``-P`` (Python
+    3.11+): the current directory is not put first on sys.path, so a source checkout there
+    (without its built extension) never shadows the installed package."""
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "pykvtier.cli", "bench"]
 
 
 def fio_jobfile(specs: Sequence[JobSpec], prefault: bool = True, fio_fixedbufs: bool | None = None,
