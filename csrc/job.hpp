@@ -4,10 +4,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "block_format.hpp"
+#include "finished_jobs.hpp"
 #include "job_ops.hpp"
 
 namespace pykvtier {
@@ -61,6 +63,37 @@ struct EngineStats {
 };
 
 FinishedJob make_finished(Job& job);
+
+// The submit and finish bookkeeping of a host engine (io_uring, posix): poll(), wait(),
+// drain() and pending_jobs() from FinishedJobs, the counters, and the shut-down flag. The
+// *_locked methods are called with mu_ held.
+class HostJobs : public FinishedJobs<FinishedJob> {
+ public:
+  EngineStats& stats() { return stats_; }
+
+ protected:
+  // Counts a submitted job. Returns false when it is empty: then it is finished already.
+  // Throws std::runtime_error after shutdown.
+  bool admit_locked(Job& job) {
+    if (stopping_) throw std::runtime_error("engine is shut down");
+    stats_.jobs_submitted++;
+    ++outstanding_;
+    if (!job.reqs.empty()) return true;
+    job.end_time = job.start_time = job.submit_time;
+    finish_locked(job);
+    return false;
+  }
+  // A submitted job whose last request finished: queued for poll(), waiters woken.
+  void finish_locked(Job& job) {
+    finished_.push_back(make_finished(job));
+    --outstanding_;
+    stats_.jobs_finished++;
+    done_cv_.notify_all();
+  }
+
+  EngineStats stats_;
+  bool stopping_ = false;  // shutdown() began: no new jobs
+};
 
 // Fills hdr (kHeaderBytes) with the header of the block r writes: r.length payload bytes at
 // r.addr, key digest r.digest.

@@ -89,17 +89,7 @@ void PosixEngine::submit(std::unique_ptr<Job> job) {
   job->submit_time = monotonic_seconds();
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) throw std::runtime_error("engine is shut down");
-    stats_.jobs_submitted++;
-    ++outstanding_;
-    if (job->reqs.empty()) {
-      job->end_time = job->start_time = job->submit_time;
-      finished_.push_back(make_finished(*job));
-      --outstanding_;
-      stats_.jobs_finished++;
-      done_cv_.notify_all();
-      return;
-    }
+    if (!admit_locked(*job)) return;
     Job* j = job.get();
     submitted_.emplace(j, std::move(job));
     (op_is_write(j->op) ? stores_ : loads_).push_back(j);
@@ -167,11 +157,8 @@ void PosixEngine::thread_main() {
       run_cv_.notify_all();
       continue;
     }
-    finished_.push_back(make_finished(*job));
+    finish_locked(*job);
     submitted_.erase(it);
-    --outstanding_;
-    stats_.jobs_finished++;
-    done_cv_.notify_all();
   }
   lk.unlock();
   free(hdr);

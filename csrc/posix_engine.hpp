@@ -14,7 +14,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "finished_jobs.hpp"
 #include "job.hpp"
 
 namespace pykvtier {
@@ -26,8 +25,8 @@ struct PosixEngineConfig {
   double store_share = 0.5;   // share of the threads that stores and unlinks may hold at once
 };
 
-// poll(), wait(), drain() and pending_jobs() come from FinishedJobs.
-class PosixEngine : public FinishedJobs<FinishedJob> {
+// poll(), wait(), drain(), pending_jobs() and stats() come from HostJobs.
+class PosixEngine : public HostJobs {
  public:
   explicit PosixEngine(PosixEngineConfig cfg);
   ~PosixEngine();
@@ -44,7 +43,6 @@ class PosixEngine : public FinishedJobs<FinishedJob> {
 
   const PosixEngineConfig& config() const { return cfg_; }
   unsigned threads() const { return nthreads_; }
-  EngineStats& stats() { return stats_; }
 
  private:
   void thread_main();
@@ -55,11 +53,9 @@ class PosixEngine : public FinishedJobs<FinishedJob> {
   int64_t recycle_write(const Job& job, const Request& r, char* hdr);
 
   PosixEngineConfig cfg_;
-  EngineStats stats_;
   unsigned nthreads_ = 1;
   unsigned store_limit_ = 1;
   unsigned stores_running_ = 0;
-  bool stopping_ = false;
   // Jobs with requests not yet handed to a thread (under mu_); loads have priority.
   std::deque<Job*> loads_, stores_;
   std::unordered_map<Job*, std::unique_ptr<Job>> submitted_;  // submit()ted, not finished

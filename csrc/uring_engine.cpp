@@ -668,17 +668,7 @@ void Engine::submit(std::unique_ptr<Job> job) {
   job->submit_time = monotonic_seconds();
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) throw std::runtime_error("engine is shut down");
-    stats_.jobs_submitted++;
-    ++outstanding_;
-    if (job->reqs.empty()) {
-      job->end_time = job->start_time = job->submit_time;
-      finished_.push_back(make_finished(*job));
-      --outstanding_;
-      stats_.jobs_finished++;
-      done_cv_.notify_all();
-      return;
-    }
+    if (!admit_locked(*job)) return;
     (op_is_write(job->op) ? stores_ : loads_).push_back(std::move(job));
   }
   wake_workers();
@@ -737,14 +727,11 @@ void Engine::worker_main(unsigned idx) {
     if (!done.empty()) {
       std::lock_guard<std::mutex> lk(mu_);
       for (Job* j : done) {
-        finished_.push_back(make_finished(*j));
-        --outstanding_;
-        stats_.jobs_finished++;
+        finish_locked(*j);
         active.erase(std::find_if(active.begin(), active.end(),
                                   [j](const std::unique_ptr<Job>& p) { return p.get() == j; }));
       }
       done.clear();
-      done_cv_.notify_all();
     }
   }
 }

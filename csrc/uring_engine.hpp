@@ -118,8 +118,8 @@ class Ring {
   std::vector<BufferRegion> buffers_;
 };
 
-// poll(), wait(), drain() and pending_jobs() come from FinishedJobs.
-class Engine : public FinishedJobs<FinishedJob> {
+// poll(), wait(), drain(), pending_jobs() and stats() come from HostJobs.
+class Engine : public HostJobs {
  public:
   explicit Engine(EngineConfig cfg);
   ~Engine();
@@ -138,20 +138,17 @@ class Engine : public FinishedJobs<FinishedJob> {
   std::vector<BufferRegion> buffers(uint64_t* generation) const;
 
   const EngineConfig& config() const { return cfg_; }
-  EngineStats& stats() { return stats_; }
 
  private:
   void worker_main(unsigned idx);
   void wake_workers();
 
   EngineConfig cfg_;
-  EngineStats stats_;
   mutable std::mutex buf_mu_;
   std::vector<BufferRegion> buffers_;
   uint64_t buffers_generation_ = 0;
 
   std::deque<std::unique_ptr<Job>> loads_, stores_;  // loads have priority (under mu_)
-  bool stopping_ = false;
   std::vector<int> wake_fds_;
   std::vector<uint64_t> worker_buffer_gen_;  // buffers generation each worker's ring has
   std::vector<std::thread> workers_;

@@ -705,8 +705,9 @@ def test_drain_many_jobs(root, aligned):
         e.shutdown()
 
 
-def test_shutdown_completes_pending_work(direct_root, aligned):
-    e = Engine(queue_depth=4)
+@pytest.mark.parametrize("kind", ["uring", "posix"])
+def test_shutdown_completes_pending_work(direct_root, aligned, kind):
+    e = Engine(queue_depth=4) if kind == "uring" else _native.PosixEngine(queue_depth=4, threads=2)
     size, n = 256 * KiB, 30
     src = aligned(n * size, fill=21)
     paths = [os.path.join(direct_root, f"s{i}") for i in range(n)]
@@ -722,6 +723,9 @@ def test_shutdown_completes_pending_work(direct_root, aligned):
     assert sorted(os.listdir(direct_root)) == sorted(os.path.basename(p) for p in paths)
     with pytest.raises(RuntimeError, match="shut down"):
         e.submit(n, "unlink", [paths[0]])
+    if kind == "posix":  # (the io_uring engine's run() uses the caller's own ring)
+        with pytest.raises(RuntimeError, match="shut down"):
+            e.run("unlink", [paths[0]])
     e.shutdown()  # idempotent
     assert os.path.exists(paths[0])
 
@@ -771,10 +775,15 @@ def test_one_gib_request(direct_root, aligned):
         e.shutdown()
 
 
-def test_loads_overtake_a_burst_of_stores(direct_root, aligned):
-    """Loads have priority: stores hold at most store_share of the ring, so a load submitted
-    after a long store job is issued at once and finishes first."""
-    e = Engine(queue_depth=8, workers=1, store_share=0.25)
+@pytest.mark.parametrize("kind", ["uring", "posix"])
+def test_loads_overtake_a_burst_of_stores(direct_root, aligned, kind):
+    """Loads have priority: stores hold at most store_share of the ring (of the posix engine's
+    threads: 1 of 4), so a load submitted after a long store job is issued at once and
+    finishes first."""
+    if kind == "uring":
+        e = Engine(queue_depth=8, workers=1, store_share=0.25)
+    else:
+        e = _native.PosixEngine(queue_depth=8, threads=4, store_share=0.25)
     try:
         size, n_store = 1 * MiB, 64
         src = aligned(n_store * size, fill=3)
