@@ -90,6 +90,8 @@ def _root(root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"path": os.path.abspath(root), "exists": os.path.isdir(root)}
     probe_dir = root
+    if os.path.exists(root) and not out["exists"]:
+        out["problem"] = "not a directory: the tier cannot use it"
     if not out["exists"]:  # probe its nearest existing parent: where the tier would be created
         probe_dir = os.path.abspath(root)
         while not os.path.isdir(probe_dir):
@@ -103,9 +105,10 @@ def _root(root: str) -> dict[str, Any]:
         out["free_bytes"] = None
     try:
         out["o_direct"] = dict(_native.probe_direct(probe_dir))
-    except ValueError as exc:
+    except ValueError as exc:  # no file can be created there: no tier either
         out["o_direct"] = {"direct": False, "reason": str(exc), "mem_align": None, "offset_align": None,
                            "dioalign_from_statx": False}
+        out.setdefault("problem", f"not usable: {exc}")
     out["writable"] = os.access(probe_dir, os.W_OK)
     out["probe_dir"] = probe_dir
     return out
@@ -134,7 +137,7 @@ def _versions(*names: str) -> dict[str, str]:
 
 def _gpu(no_gpu: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"devices": [], "driver_version": None, "nvidia_smi": None, "torch": None,
-                           "torch_cuda": None, "cuda_available": False}
+                           "torch_cuda": None, "cuda_available": False, "no_gpu": no_gpu}
     drv = _read("/proc/driver/nvidia/version")
     if drv:
         out["proc_driver"] = drv.splitlines()[0]
@@ -284,10 +287,16 @@ def format_text(rep: dict[str, Any]) -> str:
             u["engine_reason"])
 
     r = rep["root"]
-    where = r["path"] + ("" if r["exists"] else f" (missing; probed {r['probe_dir']})")
+    if r.get("problem"):
+        where = r["path"] + ("" if r["exists"] or not os.path.exists(r["path"])
+                             else f" (probed {r['probe_dir']})")
+    else:
+        where = r["path"] + ("" if r["exists"] else f" (missing; probed {r['probe_dir']})")
     row("root", f"{where}: {r.get('fstype', '?')} on {r.get('source', '?')}, {_size(r.get('free_bytes'))} free")
     od = r["o_direct"]
-    if od.get("direct"):
+    if r.get("problem"):
+        row("root PROBLEM", r["problem"], "pykvtier cannot store blocks here (doctor exits 1)")
+    elif od.get("direct"):
         src = "statx STATX_DIOALIGN" if od.get("dioalign_from_statx") else "assumed (no STATX_DIOALIGN)"
         row("O_DIRECT", f"yes; DIO alignment: memory {od['mem_align']} B, offset {od['offset_align']} B ({src})")
     else:
@@ -308,7 +317,9 @@ def format_text(rep: dict[str, Any]) -> str:
             f"torch: {g['torch'] or 'not installed'}" + (f" ({g.get('torch_error')})" if g.get("torch_error") else ""))
     else:
         why = []
-        why.append(f"torch {g['torch']} sees no CUDA device" if g["torch"] else "torch not installed")
+        why.append(f"torch {g['torch']} sees no CUDA device" if g["torch"]
+                   else "torch not probed (--no-gpu)" if g.get("no_gpu")
+                   else "torch not installed")
         why.append("nvidia-smi not found" if g["nvidia_smi"] is None else f"nvidia-smi: {g['nvidia_smi']}")
         if not g.get("proc_driver"):
             why.append("no NVIDIA driver loaded (/proc/driver/nvidia)")
@@ -374,9 +385,10 @@ def format_text(rep: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Prints the report; exits 1 when the root cannot hold a tier, else 0."""
     rep = collect(args.root, no_gpu=args.no_gpu)
     if args.json:
         print(json.dumps(rep, indent=2, sort_keys=True, default=str))
     else:
         print(format_text(rep))
-    return 0
+    return 1 if rep["root"].get("problem") else 0

@@ -82,12 +82,20 @@ class Layout:
     """Paths of one root directory. Creates ``blocks/00..ff`` and ``quarantine/`` on init."""
 
     def __init__(self, root_dir: str | os.PathLike) -> None:
+        """Raises ValueError naming the root when it is not a directory or its directories
+        cannot be created (e.g. a read-only file system, no permission)."""
         self.root = os.path.abspath(os.fspath(root_dir))
         self.blocks_dir = os.path.join(self.root, "blocks")
         self.quarantine_dir = os.path.join(self.root, "quarantine")
-        os.makedirs(self.quarantine_dir, exist_ok=True)
-        for i in range(256):
-            os.makedirs(os.path.join(self.blocks_dir, f"{i:02x}"), exist_ok=True)
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ValueError(f"root {self.root} is not a directory")
+        try:
+            os.makedirs(self.quarantine_dir, exist_ok=True)
+            for i in range(256):
+                os.makedirs(os.path.join(self.blocks_dir, f"{i:02x}"), exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"root {self.root}: cannot create the tier's directories "
+                             f"({exc.filename}: {exc.strerror})") from exc
         self._pid = os.getpid()
 
     def block_path(self, digest: bytes) -> str:

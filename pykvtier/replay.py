@@ -450,6 +450,8 @@ def run_replay(
     if requests is None:
         requests = load_trace(config.trace, config.max_requests)
         trace_name = config.trace if config.trace is not None else "<bundled mooncake_conversation_trace.jsonl.gz>"
+        if not requests:
+            raise ReplayConfigError(f"{trace_name}: the trace holds no requests")
     else:
         requests = list(requests)
         if config.max_requests is not None:
@@ -464,7 +466,12 @@ def run_replay(
     root_given = config.root is not None
     if root_given:
         root = os.path.abspath(config.root)
-        os.makedirs(root, exist_ok=True)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise ReplayConfigError(f"cannot open the tier at {root}: not a directory")
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise ReplayConfigError(f"cannot open the tier at {root}: {exc.strerror}") from exc
     else:
         root = tempfile.mkdtemp(prefix="pykvtier-replay-")
 

@@ -217,6 +217,14 @@ class DiskTier:
     ) -> None:
         if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
             raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
+        if capacity_bytes is not None:
+            capacity_bytes = _as_int(capacity_bytes, "capacity_bytes")
+        queue_depth = _as_int(queue_depth, "queue_depth")
+        if not 1 <= queue_depth <= 4096:
+            raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
+        max_inflight_bytes = _as_int(max_inflight_bytes, "max_inflight_bytes")
+        if max_inflight_bytes <= 0:
+            raise ValueError(f"max_inflight_bytes must be positive, got {max_inflight_bytes}")
         if capacity_bytes is not None and capacity_bytes < block_size_bytes + HEADER_BYTES:
             raise ValueError(
                 f"capacity_bytes={capacity_bytes} cannot hold one block "

@@ -95,6 +95,17 @@ def test_missing_root_probes_its_parent_and_no_gpu(tmp_path, capsys):
     assert not missing.exists()
 
 
+def test_unusable_root_is_a_problem_and_exit_1(tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert main(["doctor", "--root", str(a_file), "--no-gpu"]) == 1
+    out = capsys.readouterr().out
+    assert "root PROBLEM    not a directory: the tier cannot use it" in out
+    assert "falls back to buffered I/O" not in out
+    assert "torch not probed (--no-gpu)" in out or "GPU             none" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_text_for_other_machines(report):
     """The text for a machine without io_uring, and for a GPU machine with GDS (synthetic reports)."""
     import copy

@@ -238,6 +238,20 @@ def test_cli_bad_arguments(args, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_cli_unusable_root_and_empty_trace(tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert cli.main(["replay", "--no-progress", "--root", str(a_file)]) == 2
+    assert f"pykvtier replay: cannot open the tier at {a_file}: not a directory" in capsys.readouterr().err
+    assert cli.main(["replay", "--no-progress", "--root", str(a_file / "sub")]) == 2
+    assert f"cannot open the tier at {a_file / 'sub'}: Not a directory" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli.main(["replay", "--no-progress", str(empty)]) == 2
+    assert f"pykvtier replay: {empty}: the trace holds no requests" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty.jsonl"]
+
+
 def test_cli_bad_capacity(capsys):
     with pytest.raises(SystemExit) as ei:
         cli.main(["replay", "--capacity", "8XB"])

@@ -975,6 +975,26 @@ def test_bad_construction(root):
         DiskTier(root, BS, capacity_bytes=BS)
     with pytest.raises(ValueError, match="unknown engine 'gds'"):
         DiskTier(root, BS, engine="gds")
+    with pytest.raises(TypeError, match="capacity_bytes must be an integer, not str"):
+        DiskTier(root, BS, capacity_bytes="100G")
+    with pytest.raises(ValueError, match=r"queue_depth must be in 1\.\.4096, got -1"):
+        DiskTier(root, BS, queue_depth=-1)
+    with pytest.raises(TypeError, match="queue_depth must be an integer, not float"):
+        DiskTier(root, BS, queue_depth=2.5)
+    with pytest.raises(ValueError, match="max_inflight_bytes must be positive, got 0"):
+        DiskTier(root, BS, max_inflight_bytes=0)
+
+
+def test_unusable_root_is_named(root):
+    a_file = os.path.join(root, "a-file")
+    with open(a_file, "w") as f:
+        f.write("x")
+    with pytest.raises(ValueError, match=f"root {a_file} is not a directory"):
+        DiskTier(a_file, BS)
+    with pytest.raises(ValueError, match=rf"root {a_file}/sub: cannot create the tier's directories "
+                                         rf"\({a_file}/sub: Not a directory\)"):
+        DiskTier(os.path.join(a_file, "sub"), BS)
+    assert os.listdir(root) == ["a-file"]
 
 
 @pytest.fixture

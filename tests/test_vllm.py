@@ -315,6 +315,11 @@ def test_importing_pykvtier_does_not_import_vllm():
     ({"recycle": "false"}, "recycle must be true or false, got 'false'"),
     ({"shared": 1}, "shared must be true or false, got 1"),
     ({"enable_kv_events": "yes"}, "enable_kv_events must be true or false"),
+    ({"queue_depth": -1}, r"queue_depth must be a positive integer, got -1"),
+    ({"queue_depth": "64"}, r"queue_depth must be a positive integer, got '64'"),
+    ({"max_inflight_bytes": 1.5}, r"max_inflight_bytes must be a positive integer, got 1.5"),
+    ({"probe_ttl_s": "1"}, r"probe_ttl_s must be a positive number, got '1'"),
+    ({"queue_depth": 5000}, r"queue_depth must be in 1\.\.4096, got 5000"),
 ])
 def test_bad_config_is_a_clear_error(root, bad, match):
     cfg = {**tier_config(root), **bad}
@@ -322,6 +327,16 @@ def test_bad_config_is_a_clear_error(root, bad, match):
     arr = aligned_rows(4)
     with pytest.raises(ValueError, match=match):
         SecondaryTierFactory.create_secondary_tier(cfg, memoryview(arr), spec)
+
+
+def test_root_dir_that_is_a_file_is_named(root):
+    a_file = os.path.join(root, "a-file")
+    with open(a_file, "w") as f:
+        f.write("x")
+    spec = OffloadingSpecFactory.create_spec(offloading_config([tier_config(a_file)]))
+    with pytest.raises(ValueError, match=f"PyKVTier: root '{a_file}': cannot create the tier's "
+                                         f"directory \\({a_file}/pykvtier.*: Not a directory\\)"):
+        SecondaryTierFactory.create_secondary_tier(tier_config(a_file), memoryview(aligned_rows(4)), spec)
 
 
 def test_root_dir_is_required_and_listed_once(root):

@@ -197,6 +197,16 @@ def _flag(options: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def _number(options: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """A numeric config key (an int, or a float for kind=float), never a bool or a string."""
+    v = options.get(key, default)
+    ok = (int,) if kind is int else (int, float)
+    if isinstance(v, bool) or not isinstance(v, ok) or v <= 0:
+        what = "positive integer" if kind is int else "positive number"
+        raise ValueError(f"PyKVTier: {key} must be a {what}, got {v!r}")
+    return kind(v)
+
+
 def _roots(root_dir: Any) -> list[str]:
     if isinstance(root_dir, (str, os.PathLike)):
         roots = [os.fspath(root_dir)]
@@ -261,12 +271,12 @@ class PyKVTier(SecondaryTierManager):
         capacity_bytes = options.get("capacity_bytes")
         locality = options.get("locality")
         engine = options.get("engine", "auto")
-        queue_depth = int(options.get("queue_depth", 64))
-        max_inflight_bytes = int(options.get("max_inflight_bytes", 256 << 20))
+        queue_depth = _number(options, "queue_depth", 64, int)
+        max_inflight_bytes = _number(options, "max_inflight_bytes", 256 << 20, int)
         direct = options.get("direct")
         fsync = _flag(options, "fsync", False)
         shared = _flag(options, "shared", False)
-        probe_ttl_s = float(options.get("probe_ttl_s", 1.0))
+        probe_ttl_s = _number(options, "probe_ttl_s", 1.0, float)
         recycle = _flag(options, "recycle", True)
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
@@ -304,7 +314,11 @@ class PyKVTier(SecondaryTierManager):
         self._tiers: list[DiskTier] = []
         try:
             for root in roots:
-                ns = self._namespace_dir(root, offloading_spec)
+                try:
+                    ns = self._namespace_dir(root, offloading_spec)
+                except OSError as exc:
+                    raise ValueError(f"PyKVTier: root {root!r}: cannot create the tier's directory "
+                                     f"({exc.filename}: {exc.strerror})") from exc
                 try:
                     tier = DiskTier(
                         ns, block, capacity_bytes=per_root, shared=shared, direct=direct,
