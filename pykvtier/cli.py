@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
 __all__ = ["SUBCOMMANDS", "register_subcommand", "build_parser", "main"]
 
@@ -67,11 +69,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.print_help(sys.stderr)
         return 2
+    # SIGTERM (kill, timeout, a CI runner's cancel) unwinds as Ctrl-C does: in-flight I/O is
+    # drained and temporaries (e.g. replay's temporary root) are removed on the way out.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(run(args) or 0)
     except KeyboardInterrupt:
         print("pykvtier: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("pykvtier: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (a BaseException, as KeyboardInterrupt: cleanup runs, handlers of
+    Exception do not swallow it)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":

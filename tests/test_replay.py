@@ -6,7 +6,10 @@ import io
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -313,3 +316,26 @@ def test_progress_ends_on_the_summary_counts(root, monkeypatch, with_tqdm):
     assert f"hit ratio   blocks {s.block_hit_ratio:.2%}" in text
     assert f"loaded      {format_bytes(s.bytes_loaded)} in" in text
     assert f"stored      {format_bytes(s.bytes_stored)} in" in text
+
+
+def test_sigterm_unwinds_and_removes_the_temporary_root(tmp_path):
+    """kill / timeout / a CI cancel: the replay stops as on Ctrl-C, its temporary root removed."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "pykvtier.cli", "replay", "--no-progress",
+                             "--model", "tiny", "--max-requests", "all"],
+                            env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith("pykvtier-replay-") for p in tmp_path.iterdir()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the replay never created its root"
+            time.sleep(0.05)  # polling for the root to appear (not a synchronization by time)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "pykvtier: terminated (SIGTERM)" in err
+    assert list(tmp_path.iterdir()) == []
