@@ -527,6 +527,10 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
     prep_followup(slot, c.err == 0 ? 1 : 2);
     return;
   }
+  if (tmp_write && c.phase == 1 && c.err != 0) {
+    prep_followup(slot, 2);  // the rename failed (e.g. the final directory is gone): remove ours
+    return;
+  }
   if (tmp_write && c.phase == 3) {
     prep_followup(slot, 2);
     c.phase = 4;  // unlink of a duplicate temporary: success whatever it returns

@@ -464,6 +464,29 @@ def test_write_block_fsync(direct_root, aligned, engine):
     assert file_bytes(final)[HEADER_BYTES:] == src.tobytes()
 
 
+@pytest.mark.parametrize("kind", ["uring", "posix"])
+@pytest.mark.parametrize("op", ["write", "write_block"])
+def test_failed_rename_removes_the_temporary(direct_root, aligned, kind, op):
+    """The final name cannot be made (its directory is gone): the entry fails with the rename's
+    errno and its written temporary is removed; the other entry lands."""
+    e = Engine(queue_depth=4) if kind == "uring" else _native.PosixEngine(queue_depth=4)
+    try:
+        size = 64 * KiB
+        src = aligned(2 * size, fill=16)
+        tmp = [os.path.join(direct_root, f"t{i}") for i in range(2)]
+        final = [os.path.join(direct_root, "gone", "f0"), os.path.join(direct_root, "f1")]
+        if op == "write":
+            entries = [(tmp[i], 0, size, addr(src) + i * size, final[i]) for i in range(2)]
+        else:
+            entries = [(tmp[i], final[i], size, addr(src) + i * size, key_digest(b"%d" % i)) for i in range(2)]
+        assert e.run(op, entries) == [-errno.ENOENT, size]
+        assert os.listdir(direct_root) == ["f1"]
+        s = e.stats()
+        assert s["requests_failed"] == 1 and s["bytes_written"] == size
+    finally:
+        e.shutdown()
+
+
 def test_failed_exclusive_open_leaves_foreign_temporary_alone(direct_root, aligned, engine):
     size = 64 * KiB
     src = aligned(size, fill=15)
