@@ -49,6 +49,9 @@ def host_arena(num_slots: int, slot_bytes: int) -> "np.ndarray":
 
     import numpy as np
 
+    for name, v in (("num_slots", num_slots), ("slot_bytes", slot_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
     if num_slots <= 0 or slot_bytes <= 0:
         raise ValueError(f"num_slots and slot_bytes must be positive, got {num_slots}, {slot_bytes}")
     m = mmap.mmap(-1, num_slots * slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -516,6 +516,9 @@ class DiskTier:
         job_id = _as_int(job.job_id, "job_id")
         if job_id in self._job_ids:
             raise ValueError(f"job_id {job_id} is already in flight")
+        if isinstance(job.keys, (bytes, bytearray, memoryview, str)):
+            raise TypeError(f"job {job_id}: keys must be a sequence of keys (bytes), not one "
+                            f"{type(job.keys).__name__}: wrap a single key in a list")
         keys = [_as_key(k) for k in job.keys]
         if len(keys) != len(job.slot_ids):
             raise ValueError(f"job {job_id}: {len(keys)} keys but {len(job.slot_ids)} slot_ids")

@@ -879,7 +879,13 @@ def test_key_must_be_bytes(stored):
         tier.submit_load(TransferJob(1, [b"k-0", 5], [0, 1]))
     with pytest.raises(TypeError, match="key must be bytes, not str"):
         tier.submit_store(TransferJob(1, ["k"], [0]))
+    with pytest.raises(TypeError, match="job 1: keys must be a sequence of keys \\(bytes\\), not one bytes"):
+        tier.submit_store(TransferJob(1, b"k-0", [0]))
     assert not tier.has_pending_work()
+    from pykvtier import host_arena
+
+    with pytest.raises(TypeError, match="num_slots must be an int, got '64'"):
+        host_arena("64", BS)
 
 
 @pytest.mark.parametrize("op", ["load", "store"])
