@@ -29,6 +29,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "block_header.hpp"
 #include "xxh3_lanes.hpp"
 #if PYKVTIER_DEVICE_VERIFY
 #include "gds_verify.hpp"
@@ -65,29 +66,12 @@ int rename_noreplace(const char* from, const char* to) {
 }
 
 void fill_header(char* hdr, const Request& r, uint64_t payload_xxh3) {
-  std::memset(hdr, 0, kHeaderBytes);
-  BlockHeader h{};
-  std::memcpy(h.magic, kMagic, sizeof(h.magic));
-  h.version = kFormatVersion;
-  h.header_bytes = uint32_t(kHeaderBytes);
-  h.payload_bytes = r.length;
-  std::memcpy(h.key_digest, r.digest, kDigestBytes);
-  h.payload_xxh3 = payload_xxh3;
-  h.header_xxh3 = XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3));
-  std::memcpy(hdr, &h, sizeof(h));
+  fill_block_header(hdr, r.digest, r.length, payload_xxh3);
 }
 
 // Header checks that need no payload bytes; 0 or a kErr* code. Sets *payload_xxh3.
 int64_t check_header(const char* hdr, const Request& r, uint64_t* payload_xxh3) {
-  BlockHeader h;
-  std::memcpy(&h, hdr, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.version != kFormatVersion ||
-      h.header_bytes != kHeaderBytes || h.header_xxh3 != XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3)))
-    return kErrBadHeader;
-  if (std::memcmp(h.key_digest, r.digest, kDigestBytes) != 0) return kErrKeyMismatch;
-  if (h.payload_bytes != r.length) return kErrLength;
-  *payload_xxh3 = h.payload_xxh3;
-  return 0;
+  return check_block_header(hdr, r.digest, r.length, payload_xxh3);
 }
 
 // pread until n bytes or EOF; bytes read or -errno.

@@ -1,40 +1,19 @@
 // Job helpers shared by the host engines: see job.hpp.
 #include "job.hpp"
 
-#include <cstddef>
-#include <cstring>
-
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "block_header.hpp"
 #include "checksum.hpp"
 
 namespace pykvtier {
 
 void fill_header(char* hdr, const Request& r) {
-  std::memset(hdr, 0, kHeaderBytes);
-  BlockHeader h{};
-  std::memcpy(h.magic, kMagic, sizeof(h.magic));
-  h.version = kFormatVersion;
-  h.header_bytes = uint32_t(kHeaderBytes);
-  h.payload_bytes = r.length;
-  std::memcpy(h.key_digest, r.digest, kDigestBytes);
-  h.payload_xxh3 = payload_xxh3(reinterpret_cast<const void*>(r.addr), r.length);
-  h.header_xxh3 = XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3));
-  std::memcpy(hdr, &h, sizeof(h));
+  fill_block_header(hdr, r.digest, r.length, payload_xxh3(reinterpret_cast<const void*>(r.addr), r.length));
 }
 
 int64_t verify_block(const char* hdr, const Request& r) {
-  BlockHeader h;
-  std::memcpy(&h, hdr, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.version != kFormatVersion ||
-      h.header_bytes != kHeaderBytes ||
-      h.header_xxh3 != XXH3_64bits(&h, offsetof(BlockHeader, header_xxh3)))
-    return kErrBadHeader;
-  if (std::memcmp(h.key_digest, r.digest, kDigestBytes) != 0) return kErrKeyMismatch;
-  if (h.payload_bytes != r.length) return kErrLength;
-  if (h.payload_xxh3 != payload_xxh3(reinterpret_cast<const void*>(r.addr), r.length))
-    return kErrChecksum;
+  uint64_t want = 0;
+  if (int64_t e = check_block_header(hdr, r.digest, r.length, &want)) return e;
+  if (want != payload_xxh3(reinterpret_cast<const void*>(r.addr), r.length)) return kErrChecksum;
   return 0;
 }
 
