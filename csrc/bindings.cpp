@@ -263,9 +263,7 @@ Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
 )doc")
       .def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned workers,
                        double store_share) {
-             if (!(store_share > 0.0 && store_share <= 1.0))
-               throw py::value_error("store_share must be in (0, 1]");
-             EngineConfig c;
+             EngineConfig c;  // (checked by Engine: std::invalid_argument -> ValueError)
              c.queue_depth = queue_depth;
              c.max_inflight_bytes = max_inflight_bytes;
              c.workers = workers;
@@ -322,13 +320,7 @@ register_buffer / await_buffers do nothing (no fixed buffers without io_uring).
 )doc");
   posix.def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned /*workers*/,
                         unsigned threads, double store_share) {
-             if (!(store_share > 0.0 && store_share <= 1.0))
-               throw py::value_error("store_share must be in (0, 1]");
-             if (threads == 0 || threads > 4096)
-               throw py::value_error("threads must be in 1..4096");
-             if (queue_depth == 0 || queue_depth > 4096)
-               throw py::value_error("queue_depth must be in 1..4096");
-             PosixEngineConfig c;
+             PosixEngineConfig c;  // (checked by PosixEngine: std::invalid_argument -> ValueError)
              c.queue_depth = queue_depth;
              c.max_inflight_bytes = max_inflight_bytes;
              c.threads = threads;

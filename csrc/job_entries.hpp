@@ -23,14 +23,16 @@ namespace pykvtier {
 inline constexpr uint64_t kMaxRequestBytes = 1ull << 30;  // CQE results are int32
 
 [[noreturn]] inline void entry_error(size_t i, const std::string& path, const std::string& what) {
-  std::string shown;  // a NUL byte would end the message: shown as \0
-  for (char ch : path) shown += ch == '\0' ? std::string("\\0") : std::string(1, ch);
+  std::string shown;  // a NUL byte would end the message: shown as \0; a long path shortened
+  for (char ch : path.substr(0, 200)) shown += ch == '\0' ? std::string("\\0") : std::string(1, ch);
+  if (path.size() > 200) shown += "...";
   throw pybind11::value_error("entry " + std::to_string(i) + " (" + shown + "): " + what);
 }
 
-// A path the kernel takes: not empty (unless optional), no NUL byte, shorter than PATH_MAX.
-// (io_uring fails such a path while preparing the open, which cancels the rest of its chain
-// without completions: it must never reach the ring.)
+// Entry i's `what` (its path, rename target or recycle path) is one the kernel takes: not empty
+// (unless optional), no NUL byte, shorter than PATH_MAX. (io_uring fails such a path while
+// preparing the open, which cancels the rest of its chain without completions: it must never
+// reach the ring.) Errors name the entry by its path.
 inline void check_path(size_t i, const std::string& entry_path, const char* what,
                        const std::string& path, bool optional) {
   if (path.empty()) {
@@ -40,11 +42,8 @@ inline void check_path(size_t i, const std::string& entry_path, const char* what
   if (path.find('\0') != std::string::npos)
     entry_error(i, entry_path, std::string(what) + " contains a NUL byte");
   if (path.size() >= 4096)
-    entry_error(i, entry_path.size() > 80 ? entry_path.substr(0, 80) + "..." : entry_path, std::string(what) + " is " + std::to_string(path.size()) +
+    entry_error(i, entry_path, std::string(what) + " is " + std::to_string(path.size()) +
                                    " bytes, not shorter than PATH_MAX (4096)");
-}
-inline void check_path(size_t i, const std::string& path, const char* what, bool optional) {
-  check_path(i, path, what, path, optional);
 }
 
 template <class Op>
@@ -75,7 +74,7 @@ void parse_entries(Job& job, const std::string& op_s, const pybind11::sequence& 
     if (job.op == Op::Unlink) {
       r.path = py::isinstance<py::str>(e) ? e.cast<std::string>()
                                           : py::reinterpret_borrow<py::sequence>(e)[0].cast<std::string>();
-      check_path(i, r.path, "path", false);
+      check_path(i, r.path, "path", r.path, false);
       continue;
     }
     py::tuple t = py::reinterpret_borrow<py::object>(e).cast<py::tuple>();
@@ -129,7 +128,7 @@ void parse_entries(Job& job, const std::string& op_s, const pybind11::sequence& 
       case Op::Unlink:
         break;
     }
-    check_path(i, r.path, "path", false);
+    check_path(i, r.path, "path", r.path, false);
     check_path(i, r.path, "rename target", r.target, true);
     if constexpr (requires { r.recycle; }) check_path(i, r.path, "recycle path", r.recycle, true);
     if (r.length == 0) entry_error(i, r.path, "length is 0");

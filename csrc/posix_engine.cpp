@@ -56,7 +56,12 @@ void unlink_quiet(const std::string& path) { ::unlink(path.c_str()); }
 }  // namespace
 
 PosixEngine::PosixEngine(PosixEngineConfig cfg) : cfg_(cfg) {
-  unsigned n = std::max(1u, std::min(cfg_.threads, std::max(1u, cfg_.queue_depth)));
+  if (cfg_.queue_depth == 0 || cfg_.queue_depth > 4096)
+    throw std::invalid_argument("queue_depth must be in 1..4096");
+  if (cfg_.threads == 0 || cfg_.threads > 4096) throw std::invalid_argument("threads must be in 1..4096");
+  if (!(cfg_.store_share > 0.0 && cfg_.store_share <= 1.0))
+    throw std::invalid_argument("store_share must be in (0, 1]");
+  const unsigned n = std::min(cfg_.threads, cfg_.queue_depth);
   nthreads_ = n;
   store_limit_ = std::max(1u, unsigned(std::floor(double(n) * cfg_.store_share)));
   threads_.reserve(n);
@@ -211,7 +216,6 @@ int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own
   // A fresh temporary is new (O_EXCL). A recycled file (own) is never opened through a symlink
   // and never created. Neither it nor a file written in place (no temporary) may make the open
   // wait for a FIFO's reader (O_NONBLOCK, dropped once open).
-  const bool nonblock = own || !tmp;
   const int flags = own ? O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | direct
                         : O_WRONLY | O_CREAT | O_CLOEXEC | direct | (tmp ? O_EXCL : O_NONBLOCK);
   const int fd = ::open(r.path.c_str(), flags, 0644);
@@ -222,7 +226,7 @@ int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own
     if (::fstat(fd, &st) != 0 || !reusable(st, r.length))  // swapped since the lstat
       err = -EINVAL;
   }
-  if (err == 0 && nonblock && ::fcntl(fd, F_SETFL, direct) != 0) err = -errno;
+  if (err == 0 && (flags & O_NONBLOCK) && ::fcntl(fd, F_SETFL, direct) != 0) err = -errno;
   if (err == 0) {
     const bool block = job.op == Op::WriteBlock;
     iovec iov[2];
@@ -250,12 +254,9 @@ int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own
     // Into place without replacing a block already there (another writer's, equally valid).
     if (::renameat2(AT_FDCWD, r.path.c_str(), AT_FDCWD, r.target.c_str(), RENAME_NOREPLACE) != 0) {
       int e = errno;
-      if (e == EINVAL || e == ENOSYS) {  // a file system without RENAME_NOREPLACE
+      if (e == EINVAL || e == ENOSYS)  // a file system without RENAME_NOREPLACE
         e = ::link(r.path.c_str(), r.target.c_str()) == 0 ? 0 : errno;
-        unlink_quiet(r.path);
-      } else {
-        unlink_quiet(r.path);
-      }
+      unlink_quiet(r.path);
       if (e == EEXIST)
         stats_.rename_existing++;
       else if (e != 0)

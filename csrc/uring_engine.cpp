@@ -585,6 +585,8 @@ Engine::Engine(EngineConfig cfg) : cfg_(cfg) {
   if (cfg_.queue_depth == 0 || cfg_.queue_depth > 4096)
     throw std::invalid_argument("queue_depth must be in 1..4096");
   if (cfg_.workers == 0 || cfg_.workers > 16) throw std::invalid_argument("workers must be in 1..16");
+  if (!(cfg_.store_share > 0.0 && cfg_.store_share <= 1.0))
+    throw std::invalid_argument("store_share must be in (0, 1]");
   // Fail early (and clearly) where io_uring is unavailable: build one ring now.
   { Ring probe(*this, 1, -1, false); }
   for (unsigned i = 0; i < cfg_.workers; ++i) {

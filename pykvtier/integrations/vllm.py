@@ -268,7 +268,8 @@ class PyKVTier(SecondaryTierManager):
                              "(a directory, or a list of directories, one per drive)")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         roots = _roots(options["root_dir"])
-        capacity_bytes = options.get("capacity_bytes")
+        capacity_bytes = (None if options.get("capacity_bytes") is None
+                          else _number(options, "capacity_bytes", None, int))
         locality = options.get("locality")
         engine = options.get("engine", "auto")
         queue_depth = _number(options, "queue_depth", 64, int)
@@ -278,11 +279,6 @@ class PyKVTier(SecondaryTierManager):
         shared = _flag(options, "shared", False)
         probe_ttl_s = _number(options, "probe_ttl_s", 1.0, float)
         recycle = _flag(options, "recycle", True)
-        if capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
-                    or capacity_bytes <= 0:
-                raise ValueError(f"PyKVTier: capacity_bytes must be a positive int, "
-                                 f"got {capacity_bytes!r}")
         if locality is not None:
             try:
                 self.locality = Locality(locality)
