@@ -630,46 +630,41 @@ class DiskTier:
             self._used_bytes += self.file_bytes
             return True
         if recycle and self.recycle and self.device_path is None:
-            for digest in self._lru:
-                e = self._index[digest]
-                if e.readers or digest in self._loading:
-                    continue
-                del self._lru[digest]
-                e.state = _State.REMOVING  # until the store that reuses its file finished
-                self._stats["evictions"] += 1
+            for digest in self._take_victims(1):
                 self._stats["evictions_recycled"] += 1
-                if self._removed is not None:
-                    self._removed.append(digest)
-                return digest
+                return digest  # REMOVING until the store that reuses its file finished
         self._evict(self._used_bytes + self.file_bytes - self.capacity_bytes)
         if self._used_bytes + self.file_bytes <= self.capacity_bytes:
             self._used_bytes += self.file_bytes
             return True
         return False
 
-    def _evict(self, need_bytes: int) -> None:
-        """Removes least recently used blocks not being read until need_bytes are freed.
-        The files are unlinked asynchronously by the engine; their bytes count as used until then
-        is not needed: the name is gone from the index at once and rewrites wait for the unlink."""
+    def _take_victims(self, n: int) -> list[bytes]:
+        """Evicts up to n least recently used blocks not being read: out of the LRU, REMOVING
+        (their files are still there), counted. Returns their digests."""
         victims: list[bytes] = []
-        freed = 0
         for digest in self._lru:
-            if freed >= need_bytes:
+            if len(victims) >= n:
                 break
             if self._index[digest].readers or digest in self._loading:
                 continue
             victims.append(digest)
-            freed += self.file_bytes
-        if not victims:
-            return
         for d in victims:
             del self._lru[d]
             self._index[d].state = _State.REMOVING
-        self._used_bytes -= freed
-        self._unlink_async(victims)
         self._stats["evictions"] += len(victims)
         if self._removed is not None:
             self._removed.extend(victims)
+        return victims
+
+    def _evict(self, need_bytes: int) -> None:
+        """Removes least recently used blocks not being read until need_bytes are freed.
+        The files are unlinked asynchronously by the engine; their bytes count as used until then
+        is not needed: the name is gone from the index at once and rewrites wait for the unlink."""
+        victims = self._take_victims(-(-need_bytes // self.file_bytes))
+        if victims:
+            self._used_bytes -= len(victims) * self.file_bytes
+            self._unlink_async(victims)
 
     def _unlink_async(self, digests: list[bytes]) -> None:
         """Removes block files through the engine (a store-priority job)."""
