@@ -23,11 +23,16 @@ from typing import Any, Sequence
 
 __all__ = ["SUBCOMMANDS", "register_subcommand", "build_parser", "main"]
 
-#: Subcommand name -> module implementing it (``HELP``, ``add_arguments``, ``run``).
+#: Subcommand name -> module implementing it (``HELP``, ``add_arguments``, ``run``), or
+#: ``"module:attribute"`` naming an object of that module with those three attributes.
 SUBCOMMANDS: dict[str, str] = {
     "replay": "pykvtier.replay",
     "doctor": "pykvtier.doctor",
     "bench": "pykvtier.bench",
+    "du": "pykvtier.admin:du_command",
+    "fsck": "pykvtier.admin:fsck_command",
+    "gc": "pykvtier.admin:gc_command",
+    "quarantine": "pykvtier.admin:quarantine_command",
 }
 
 
@@ -53,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pykvtier {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
+        module_name, _, attribute = module_name.partition(":")
         module = importlib.import_module(module_name)
+        if attribute:
+            module = getattr(module, attribute)
         help_text = getattr(module, "HELP", None) or (module.__doc__ or "").strip().splitlines()[0]
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
