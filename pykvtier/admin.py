@@ -50,8 +50,8 @@ __all__ = [
 #: fsck's reasons a block file fails verification, in report order.
 CORRUPT_REASONS = ("header", "key_mismatch", "length", "checksum", "short", "io_error")
 
-_MTIME_NOTE = ("file modification times: the order a tier's eviction starts from after a restart "
-               "(loads do not update them)")
+_MTIME_NOTE = ("file modification times, the order a tier's eviction starts from after a "
+               "restart; loads do not update them")
 _ARENA_BYTES = 256 << 20  # fsck's host arena: this many bytes at most (at least one block per job)
 _PAGE = 4096
 
@@ -100,7 +100,8 @@ def _open_root(root: str | os.PathLike) -> str:
     ``blocks`` directory (a real directory, not a link)."""
     path = os.path.realpath(os.fspath(root))
     if not os.path.isdir(path):
-        raise AdminError(f"root {path}: " + ("not a directory" if os.path.exists(path) else "no such directory"))
+        why = "not a directory" if os.path.exists(path) else "no such directory"
+        raise AdminError(f"root {path}: {why}")
     blocks = os.path.join(path, "blocks")
     try:
         st = os.lstat(blocks)
@@ -348,14 +349,15 @@ def _format_du(r: dict[str, Any]) -> str:
     lines = [f"root         {r['root']}", f"block size   {size}",
              f"blocks       {r['blocks']} files, {fb(r['bytes'])}"]
     for g in r["by_block_size"]:
-        bs = "shorter than a header" if g["block_size_bytes"] is None else f"{g['block_size_bytes']}-byte blocks"
+        bs = ("shorter than a header" if g["block_size_bytes"] is None
+              else f"{g['file_bytes']}-byte files ({g['block_size_bytes']}-byte blocks)")
         mark = "" if g["matches_root"] else "  (not this root's size: a tier quarantines them)"
-        lines.append(f"  {bs:<24} {g['blocks']} files, {fb(g['bytes'])}{mark}")
+        lines.append(f"  {bs:<40} {g['blocks']} files, {fb(g['bytes'])}{mark}")
     if r["non_block_entries"] or r["other_files"]:
         lines.append(f"other        {r['non_block_entries']} non-block entries at block names, "
                      f"{r['other_files']} other files (pykvtier fsck lists them)")
     q = r["quarantine"]
-    lines.append(f"quarantine   {q['files']} files, {fb(q['bytes'])}" + (f" ({q['problem']})" if "problem" in q else ""))
+    lines.append(f"quarantine   {q['files']} files, {fb(q['bytes'])}")
     for state in ("live", "dead"):
         t = r["temporaries"][state]
         pids = ", ".join(map(str, t["pids"][:8])) + (" ..." if len(t["pids"]) > 8 else "")
@@ -388,6 +390,28 @@ def _reason(res: int, block_size: int) -> str:
     if res >= 0:  # fewer bytes than a block and no error: the engine calls that short
         return "short"
     return "io_error"
+
+
+def _other_size(b: _BlockFile, block_size: int) -> int | None:
+    """The payload length of a file shorter than this root's blocks whose header is valid and
+    whose size matches that header (a whole block of a smaller block size), else None."""
+    from .layout import HEADER_BYTES, read_header
+
+    try:
+        fd = os.open(b.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:  # through the descriptor just opened (a regular file, fstat says): no link followed
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        h = read_header(f"/proc/self/fd/{fd}")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if h.header_ok() and h.payload_bytes != block_size and b.size == h.payload_bytes + HEADER_BYTES:
+        return int(h.payload_bytes)
+    return None
 
 
 def _direct_ok(path: str, block_size: int) -> bool:
@@ -514,7 +538,11 @@ def fsck(root: str | os.PathLike, *, repair: bool = False, progress: bool = Fals
                     bar.close()
             for b, res in zip(scan.blocks, results):
                 why = _reason(res, block_size)
-                if why == "ok" and b.size != block_size + HEADER_BYTES:
+                other = _other_size(b, block_size) if why == "short" else None
+                if other is not None:  # whole, of another block size: not truncated
+                    why, detail = "length", (f"a whole block of {other} payload bytes; this "
+                                             f"root's blocks have {block_size}")
+                elif why == "ok" and b.size != block_size + HEADER_BYTES:
                     # a valid block followed by extra bytes: a tier takes it for another size
                     why, detail = "length", (f"file is {b.size} bytes, a block of this root "
                                              f"{block_size + HEADER_BYTES}")
@@ -635,8 +663,8 @@ def _format_gc(r: dict[str, Any]) -> str:
 
 
 def quarantine_list(root: str | os.PathLike) -> dict[str, Any]:
-    """What ``ROOT/quarantine`` holds: {root, path, files, bytes} (plus ``problem`` when it
-    cannot be listed). Shared lock. Raises AdminError, RootLockedError."""
+    """What ``ROOT/quarantine`` holds: {root, path, files, bytes} (entries, and the bytes of
+    their regular files). Shared lock. Raises AdminError, RootLockedError."""
     path = _open_root(root)
     with _locked(path, shared=True):
         q = _quarantine_usage(path)
@@ -758,8 +786,7 @@ def _quarantine_run(args: argparse.Namespace) -> int:
             text = f"removed {r['removed_files']} files, {_format_bytes(r['removed_bytes'])} from {r['path']}"
         else:
             r = quarantine_list(args.root)
-            text = (f"{r['path']}: {r['files']} files, {_format_bytes(r['bytes'])}"
-                    + (f" ({r['problem']})" if "problem" in r else ""))
+            text = f"{r['path']}: {r['files']} files, {_format_bytes(r['bytes'])}"
         _emit(args, r, text)
         return 0
 

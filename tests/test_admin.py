@@ -233,6 +233,40 @@ def test_fsck_repair_quarantines_exactly_the_bad_ones(damaged: dict) -> None:
         t.shutdown()
 
 
+def test_fsck_other_shapes(root: str, tmp_path) -> None:
+    """A smaller block size's whole block is 'length' (not truncated), as is a valid block with
+    bytes appended; a file shorter than a header is 'short'; a directory at a block name and a
+    block file in another fan-out directory are non-block entries."""
+    keys = KEYS[:6]
+    make_root(root, keys)
+    small = str(tmp_path / "small")
+    make_root(small, [keys[0]], bs=BS // 2, seed=9)
+    shutil.copyfile(block_path(small, keys[0]), block_path(root, keys[0]))
+    with open(block_path(root, keys[1]), "ab") as f:
+        f.write(b"extra")
+    os.truncate(block_path(root, keys[2]), 100)
+    os.unlink(block_path(root, keys[3]))
+    os.mkdir(block_path(root, keys[3]))
+    src = block_path(root, keys[4])
+    fan = unused_fanout(keys)
+    misplaced = os.path.join(os.path.realpath(root), "blocks", fan, os.path.basename(src))
+    os.rename(src, misplaced)
+    r = admin.fsck(root)
+    assert (r["checked"], r["ok"]) == (4, 1)
+    assert r["corrupt"] == {**NO_PROBLEM, "length": 2, "short": 1}
+    assert {p["path"]: p["reason"] for p in r["problems"]} == {
+        block_path(root, keys[0]): "length", block_path(root, keys[1]): "length",
+        block_path(root, keys[2]): "short", block_path(root, keys[3]): "non_block",
+        misplaced: "non_block"}
+    r = admin.fsck(root, repair=True)
+    assert r["repaired"] == 5
+    t, loaded = load_all(root, keys)
+    try:
+        assert list(loaded) == [keys[5]] and t.num_blocks == 1
+    finally:
+        t.shutdown()
+
+
 def test_fsck_without_marker_takes_the_first_header(root: str) -> None:
     make_root(root, KEYS[:3])
     os.unlink(os.path.join(os.path.realpath(root), "pykvtier-root.json"))
