@@ -111,6 +111,16 @@ def _root(root: str) -> dict[str, Any]:
         out.setdefault("problem", f"not usable: {exc}")
     out["writable"] = os.access(probe_dir, os.W_OK)
     out["probe_dir"] = probe_dir
+    if out["exists"]:  # what a tier left there: its block size, its quarantine
+        from . import layout
+
+        try:
+            cfg = layout.read_root_config(root)
+            out["block_size_bytes"] = cfg["block_size_bytes"] if cfg else None
+        except ValueError as exc:
+            out["block_size_bytes"] = None
+            out["marker_problem"] = str(exc)
+        out["quarantine_files"], out["quarantine_bytes"] = layout.quarantine_usage(root)
     return out
 
 
@@ -293,6 +303,11 @@ def format_text(rep: dict[str, Any]) -> str:
     else:
         where = r["path"] + ("" if r["exists"] else f" (missing; probed {r['probe_dir']})")
     row("root", f"{where}: {r.get('fstype', '?')} on {r.get('source', '?')}, {_size(r.get('free_bytes'))} free")
+    if "quarantine_files" in r:
+        bs = r["block_size_bytes"]
+        row("root contents",
+            (f"block_size_bytes={bs}" if bs else r.get("marker_problem") or "no block size recorded yet")
+            + f"; quarantine: {r['quarantine_files']} entries, {_size(r['quarantine_bytes'])}")
     od = r["o_direct"]
     if r.get("problem"):
         row("root PROBLEM", r["problem"], "pykvtier cannot store blocks here (doctor exits 1)")

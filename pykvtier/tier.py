@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import logging
 import operator
 import os
@@ -22,7 +23,16 @@ from typing import Any
 
 from . import _native
 from .buffers import Arena, as_arena
-from .layout import HEADER_BYTES, Layout, key_digest
+from .layout import (
+    HEADER_BYTES,
+    QUARANTINE_MAX_FILES,
+    Layout,
+    Quarantine,
+    check_file_mode,
+    dir_mode_of,
+    key_digest,
+    lock_root,
+)
 from .posix_engine import PosixEngine
 from .probe import ExistenceProbe
 
@@ -151,6 +161,38 @@ def _as_int(v: Any, what: str) -> int:
         raise TypeError(f"{what} must be an integer, not {type(v).__name__}") from None
 
 
+def _undo_on_failure(init: Any) -> Any:
+    """Wraps DiskTier.__init__: when it raises, what it took (root lock, engine, probe ring) is
+    let go before the error propagates."""
+
+    @functools.wraps(init)
+    def wrapper(self: DiskTier, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self._abandon()
+            raise
+
+    return wrapper
+
+
+_FILE_MODE_ENGINES: dict[type, bool] = {}
+
+
+def _file_mode_kw(engine: Any, file_mode: int) -> dict[str, int]:
+    """{"file_mode": file_mode} for an engine whose submit() takes it, else {} (its files get
+    0o600)."""
+    t = type(engine)
+    takes = _FILE_MODE_ENGINES.get(t)
+    if takes is None:
+        sub = getattr(t, "submit", None)
+        code = getattr(sub, "__code__", None)
+        takes = ("file_mode" in code.co_varnames if code is not None
+                 else "file_mode" in (getattr(sub, "__doc__", None) or ""))
+        _FILE_MODE_ENGINES[t] = takes
+    return {"file_mode": file_mode} if takes else {}
+
+
 def _as_key(key: Any) -> bytes:
     if isinstance(key, bytes):
         return key
@@ -193,10 +235,24 @@ class DiskTier:
             under eviction churn on ext4). Never with ``shared=True`` (another process may be
             reading the evicted file) nor for device arenas; blocks evicted for other reasons
             (start-up over capacity, unreadable files) are unlinked.
+        mode: permission bits of the files the tier creates (default 0o600: KV blocks are user
+            data); its directories get the matching x bits (0o600 -> 0o700, 0o640 -> 0o750,
+            0o660 -> 0o770). Within 0o666, owner read and write set.
+        quarantine_max_files: entries kept in ``ROOT/quarantine/``; the oldest are removed past
+            it (counted in ``stats()["quarantine_files"]``, ``["quarantine_bytes"]``).
 
-    Raises ValueError for a bad block size, an unusable root, or io_uring being unavailable.
+    The root is locked from here until :meth:`shutdown` (``flock`` on ``ROOT/.pykvtier.lock``:
+    exclusive for ``shared=False``, shared for ``shared=True``), and records its block size in
+    ``ROOT/pykvtier-root.json``.
+
+    Raises ValueError for a bad block size, an unusable root, a root holding blocks of another
+    block size (naming both sizes), or io_uring being unavailable;
+    :class:`pykvtier.layout.RootLockedError` (a ValueError naming the holder's pid) when
+    another tier holds the root (any tier for ``shared=False``; a ``shared=False`` one for
+    ``shared=True``).
     """
 
+    @_undo_on_failure
     def __init__(
         self,
         root_dir: str | os.PathLike,
@@ -214,6 +270,8 @@ class DiskTier:
         track_removals: bool = False,
         device_path: Any = "auto",
         recycle: bool = True,
+        mode: int = 0o600,
+        quarantine_max_files: int = QUARANTINE_MAX_FILES,
     ) -> None:
         if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
             raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
@@ -248,7 +306,18 @@ class DiskTier:
         self._recycle_failures_seen = 0
         self.fsync = fsync
         self.probe_ttl_s = probe_ttl_s
-        self.layout = Layout(root_dir)
+        self.file_mode = check_file_mode(mode)
+        self.dir_mode = dir_mode_of(self.file_mode)
+        quarantine_max_files = _as_int(quarantine_max_files, "quarantine_max_files")
+        if quarantine_max_files < 0:
+            raise ValueError(f"quarantine_max_files must be >= 0, got {quarantine_max_files}")
+        self.layout = Layout(root_dir, self.dir_mode, make_dirs=False)
+        # Locked before anything under the root changes; released by shutdown() (or at once
+        # when __init__ fails: _undo_on_failure).
+        self._root_lock = lock_root(self.layout.root, shared, file_mode=self.file_mode)
+        self.layout.make_dirs()
+        self.layout.check_block_size(block_size_bytes, self.file_mode)
+        self._quarantine_box = Quarantine(self.layout, quarantine_max_files)
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "lookups", "hits", "misses", "retries", "hit_pending",
@@ -257,7 +326,7 @@ class DiskTier:
                 "load_failures", "store_failures", "verify_failures", "quarantined",
                 "evictions", "eviction_failures", "capacity_rejections", "probes",
                 "probe_hits", "stale_temporaries_removed", "direct_fallbacks",
-                "blocks_of_other_size", "evictions_recycled",
+                "malformed_block_files", "evictions_recycled",
             ),
             0,
         )
@@ -308,53 +377,32 @@ class DiskTier:
     # ------------------------------------------------------------------ set-up
 
     def _scan(self) -> None:
-        """Rebuilds the index from the blocks on disk and removes stale temporaries."""
+        """Rebuilds the index from the blocks on disk, removes stale temporaries and moves what
+        is not a block file of this tier to the quarantine. Lists, unlinks and renames relative
+        to descriptors of the real fan-out directories: nothing is followed through a link (a
+        fan-out replaced by a link since Layout.make_dirs() is skipped, with a warning)."""
         found: list[tuple[float, bytes]] = []
         now = time.time()
-        for sub in sorted(os.listdir(self.layout.blocks_dir)):
-            d = os.path.join(self.layout.blocks_dir, sub)
-            try:
-                it = os.scandir(d)
-            except NotADirectoryError:
-                continue
-            with it:
-                for de in it:
-                    digest = Layout.digest_from_name(de.name)
-                    if digest is not None:
-                        try:
-                            st = de.stat(follow_symlinks=False) if de.is_file(
-                                follow_symlinks=False) else None
-                        except FileNotFoundError:  # removed meanwhile (a root shared with others)
-                            continue
-                        if st is None or st.st_size != self.file_bytes:
-                            # Not a block of this tier (another size, a directory, a link...):
-                            # moved out of the way, so that storing the key again works.
-                            self._stats["blocks_of_other_size"] += 1
-                            self._quarantine(de.path, digest)
-                            continue
-                        found.append((st.st_mtime, digest))
-                        continue
-                    owner = Layout.tmp_owner(de.name)
-                    if owner is not None and self._stale_tmp(owner, de, now, self._own_pid_live):
-                        try:
-                            os.unlink(de.path)
-                            self._stats["stale_temporaries_removed"] += 1
-                        except FileNotFoundError:
-                            pass
-                        except OSError as exc:  # e.g. a directory left at a temporary name
-                            logger.warning("pykvtier: cannot remove stale temporary %s (%s); "
-                                           "moving it to %s", de.path, exc,
-                                           self.layout.quarantine_dir)
-                            try:
-                                os.rename(de.path, os.path.join(self.layout.quarantine_dir,
-                                                                f"{de.name}.{time.time_ns()}"))
-                                self._stats["quarantined"] += 1
-                            except OSError as exc2:
-                                logger.warning("pykvtier: cannot quarantine %s: %s", de.path, exc2)
-        if self._stats["blocks_of_other_size"]:
-            logger.warning("pykvtier: %d entries under %s are not %d-byte block files (another "
-                           "block size, or not regular files); moved to %s",
-                           self._stats["blocks_of_other_size"], self.layout.blocks_dir,
+        bfd = self.layout.open_dir("blocks")
+        try:
+            for i in range(256):
+                sub = f"{i:02x}"
+                try:
+                    dfd = Layout.open_subdir(bfd, sub)
+                except OSError as exc:
+                    logger.warning("pykvtier: %s/%s not scanned: %s", self.layout.blocks_dir, sub,
+                                   exc.strerror)
+                    continue
+                try:
+                    self._scan_dir(dfd, sub, now, found)
+                finally:
+                    os.close(dfd)
+        finally:
+            os.close(bfd)
+        if self._stats["malformed_block_files"]:
+            logger.warning("pykvtier: %d entries under %s at block names are not %d-byte block "
+                           "files (truncated, or not regular files); moved to %s",
+                           self._stats["malformed_block_files"], self.layout.blocks_dir,
                            self.file_bytes, self.layout.quarantine_dir)
         found.sort()
         for _, digest in found:
@@ -364,8 +412,43 @@ class DiskTier:
         if self.capacity_bytes is not None and self._used_bytes > self.capacity_bytes:
             self._evict(self._used_bytes - self.capacity_bytes)
 
+    def _scan_dir(self, dfd: int, sub: str, now: float, found: list[tuple[float, bytes]]) -> None:
+        """One fan-out directory of :meth:`_scan` (``dfd``: its descriptor)."""
+        with os.scandir(dfd) as it:
+            entries = list(it)
+        for de in entries:
+            digest = Layout.digest_from_name(de.name)
+            if digest is not None:
+                try:
+                    st = de.stat(follow_symlinks=False) if de.is_file(
+                        follow_symlinks=False) else None
+                except FileNotFoundError:  # removed meanwhile (a root shared with others)
+                    continue
+                if st is None or st.st_size != self.file_bytes:
+                    # The root's marker says the block size, so this is no block of any tier
+                    # (truncated, a directory, a link...): moved out of the way, so that storing
+                    # the key again works.
+                    self._stats["malformed_block_files"] += 1
+                    self._quarantine_entry(dfd, sub, de.name)
+                    continue
+                found.append((st.st_mtime, digest))
+                continue
+            owner = Layout.tmp_owner(de.name)
+            if owner is None or not self._stale_tmp(owner, dfd, de.name, now, self._own_pid_live):
+                continue
+            path = os.path.join(self.layout.blocks_dir, sub, de.name)
+            try:
+                os.unlink(de.name, dir_fd=dfd)
+                self._stats["stale_temporaries_removed"] += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # e.g. a directory left at a temporary name
+                logger.warning("pykvtier: cannot remove stale temporary %s (%s); moving it to %s",
+                               path, exc, self.layout.quarantine_dir)
+                self._quarantine_entry(dfd, sub, de.name)
+
     @staticmethod
-    def _stale_tmp(owner: int, de: os.DirEntry, now: float, own_pid_live: bool) -> bool:
+    def _stale_tmp(owner: int, dfd: int, name: str, now: float, own_pid_live: bool) -> bool:
         if owner <= 0 or (owner == os.getpid() and not own_pid_live):
             return True
         try:
@@ -374,8 +457,8 @@ class DiskTier:
             return True
         except PermissionError:
             pass
-        try:
-            return now - de.stat().st_mtime > 3600  # a live writer never takes an hour
+        try:  # a live writer never takes an hour
+            return now - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime > 3600
         except FileNotFoundError:
             return False
 
@@ -607,7 +690,8 @@ class DiskTier:
         self._next_engine_job += 1
         try:
             self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
-                                mem_align=self.mem_align, fsync=self.fsync)
+                                mem_align=self.mem_align, fsync=self.fsync,
+                                **_file_mode_kw(self._engine, self.file_mode))
         except Exception:
             for v in pend.victims:  # their files were not touched: blocks again
                 e = self._index.get(v)
@@ -788,14 +872,27 @@ class DiskTier:
         self._drop_failed(digest)
 
     def _quarantine(self, path: str, digest: bytes) -> None:
-        """Moves a file that is not a valid block of this tier to the quarantine folder."""
+        """Moves the block file of ``digest`` (at ``path``) to the quarantine folder, through
+        the real fan-out directory only (a link in its place is not followed)."""
+        h = digest.hex()
         try:
-            os.rename(path, self.layout.quarantine_path(digest, time.time_ns()))
-            self._stats["quarantined"] += 1
-        except FileNotFoundError:
-            pass
+            dfd = self.layout.open_dir("blocks", h[:2])
         except OSError as exc:
-            logger.warning("pykvtier: cannot quarantine %s: %s", path, exc)
+            logger.warning("pykvtier: cannot quarantine %s: %s", path, exc.strerror)
+            return
+        try:
+            self._quarantine_entry(dfd, h[:2], os.path.basename(path))
+        finally:
+            os.close(dfd)
+
+    def _quarantine_entry(self, dfd: int, sub: str, name: str) -> None:
+        """Moves the entry ``name`` of the fan-out ``sub`` (open at ``dfd``) to the quarantine."""
+        try:
+            if self._quarantine_box.move_in(dfd, name) is not None:
+                self._stats["quarantined"] += 1
+        except OSError as exc:
+            logger.warning("pykvtier: cannot quarantine %s: %s",
+                           os.path.join(self.layout.blocks_dir, sub, name), exc)
 
     def _drop_failed(self, digest: bytes) -> None:
         """Forgets a failed block once no load reads it any more."""
@@ -841,17 +938,34 @@ class DiskTier:
 
     def shutdown(self) -> None:
         """Finishes in-flight I/O, then releases the engine's threads, rings and descriptors and
-        the probe's ring, and lets go of the arena (its owner may free it). Idempotent."""
+        the probe's ring, lets go of the arena (its owner may free it) and releases the root's
+        lock (another tier may open the root then). Idempotent."""
         if self._closed:
             return
         self.drain()
         self._closed = True
         _open_tiers.discard(self)
-        self._engine.shutdown()
-        if self._probe is not None:
-            self._probe.close()
-        if self._arena is not None:  # no I/O can touch it now: let its owner free it
-            self._arena.release()
+        try:
+            self._engine.shutdown()
+            if self._probe is not None:
+                self._probe.close()
+            if self._arena is not None:  # no I/O can touch it now: let its owner free it
+                self._arena.release()
+        finally:
+            self._root_lock.release()
+
+    def _abandon(self) -> None:
+        """Lets go of what a failed __init__ took (see _undo_on_failure); never raises."""
+        self._closed = True
+        _open_tiers.discard(self)
+        for name, close in (("_engine", "shutdown"), ("_probe", "close"), ("_root_lock", "release")):
+            obj = self.__dict__.get(name)
+            if obj is not None:
+                try:
+                    getattr(obj, close)()
+                except Exception:  # the original error is the one to report
+                    logger.debug("pykvtier: %s.%s() after a failed start", name, close,
+                                 exc_info=True)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -884,4 +998,6 @@ class DiskTier:
         s["used_bytes"] = self._used_bytes
         s["blocks_present"] = len(self._lru)
         s["direct"] = int(self.direct)
+        s["quarantine_files"] = self._quarantine_box.files
+        s["quarantine_bytes"] = self._quarantine_box.bytes
         return s

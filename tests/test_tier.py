@@ -201,7 +201,7 @@ def test_shared_retry_while_probe_in_flight_then_hit(root, make_tier, arena):
     a = fill(arena(4, BS), 4)
     first = make_tier(root, shared=True)
     first.set_arena(a)
-    other = make_tier(root)  # another writer of the same directory
+    other = make_tier(root, shared=True)  # another writer of the same directory
     other.set_arena(a)
     key = b"written by the other"
     ok(store(other, 1, [key], [0]), BS)
@@ -445,32 +445,38 @@ def test_restart_recovers_the_index(root, make_tier, arena):
     for i in range(6):
         assert np.array_equal(a[i], src[5 - i])
     s = again.stats()
-    assert s["stale_temporaries_removed"] == 0 and s["blocks_of_other_size"] == 0
+    assert s["stale_temporaries_removed"] == 0 and s["malformed_block_files"] == 0
     assert s["fixed_buffer_ios"] == 6 and s["direct"] == int(again.direct)
 
 
 def test_restart_quarantines_what_is_not_a_block_of_this_tier(root, make_tier, arena):
-    """Files of another block size, and entries that are not regular files, are moved out of
-    the way at start-up (kept in quarantine), so storing those keys again really stores them."""
+    """Entries at block names that are not block files of the root's block size (a truncated
+    or longer file, a directory, a dangling link) are moved out of the way at start-up (kept in
+    quarantine), so storing those keys again really stores them. (Blocks of another block
+    size: the root is refused, tests/test_root.py.)"""
     a = fill(arena(2, BS), 7)
     first = make_tier(root)
     first.set_arena(a)
-    ok(store(first, 1, [b"a", b"b"], [0, 1]), 2 * BS)
+    ok(store(first, 1, [b"a", b"b", b"e"], [0, 1, 0]), 3 * BS)
+    os.truncate(path_of(first, b"a"), FB - 1)                       # truncated
+    os.truncate(path_of(first, b"b"), 2 * FB)                       # longer
     os.mkdir(path_of(first, b"c"))                                  # a directory at a block name
     os.symlink("/nonexistent", path_of(first, b"d"))                # a dangling link
     first.shutdown()
-    other = make_tier(root, block_size_bytes=2 * BS)
-    assert other.num_blocks == 0 and other.stats()["blocks_of_other_size"] == 4
+    other = make_tier(root)
+    assert other.num_blocks == 1 and other.stats()["malformed_block_files"] == 4
     assert other.stats()["quarantined"] == 4
-    assert [other.lookup(k) for k in (b"a", b"b", b"c", b"d")] == [MISS] * 4
-    assert block_files(other) == []
+    assert other.stats()["quarantine_files"] == 4
+    assert other.stats()["quarantine_bytes"] == (FB - 1) + 2 * FB
+    assert [other.lookup(k) for k in (b"a", b"b", b"c", b"d", b"e")] == [MISS] * 4 + [HIT]
+    assert block_files(other) == [path_of(other, b"e")]
     assert len(os.listdir(other.layout.quarantine_dir)) == 4
-    b = fill(arena(4, 2 * BS), 9)
+    b = fill(arena(4, BS), 9)
     other.set_arena(b)
-    ok(store(other, 2, [b"a", b"c"], [0, 1]), 4 * BS)
+    ok(store(other, 2, [b"a", b"c"], [0, 1]), 2 * BS)
     want = b[:2].copy()
     b[...] = 0
-    ok(load(other, 3, [b"a", b"c"], [2, 3]), 4 * BS)
+    ok(load(other, 3, [b"a", b"c"], [2, 3]), 2 * BS)
     assert np.array_equal(b[2:4], want)
 
 
@@ -802,7 +808,7 @@ def test_a_victim_that_is_no_block_file_is_not_overwritten(root, make_tier, aren
     tier.shutdown()
     again = make_tier(os.path.join(root, "tier"), capacity_bytes=2 * FB, engine=engine)
     assert again.num_blocks == 2
-    assert again.stats()["blocks_of_other_size"] == int(kind == "directory")
+    assert again.stats()["malformed_block_files"] == int(kind == "directory")
 
 
 def test_start_up_moves_a_directory_at_a_stale_temporary_name_aside(root, make_tier):
@@ -852,15 +858,16 @@ def test_two_tiers_store_the_same_block_at_once(root, make_tier, arena):
 
 def test_new_tier_keeps_temporaries_of_a_live_tier_in_this_process(root, make_tier, arena):
     """A temporary named with this process's pid belongs to a live writer while another tier
-    of this process uses the root; it is stale only once none does."""
+    of this process uses the root (shared tiers: a non-shared one has the root to itself); it
+    is stale only once none does."""
     a = fill(arena(1, BS), 15)
-    first = make_tier(root)
+    first = make_tier(root, shared=True)
     first.set_arena(a)
     d = key_digest(b"in flight")
     tmp = first.layout.tmp_path(d)  # as first's write of it would be named
     with open(tmp, "wb") as f:
         f.write(b"partial")
-    second = make_tier(root)
+    second = make_tier(root, shared=True)
     assert os.path.exists(tmp) and second.stats()["stale_temporaries_removed"] == 0
     first.shutdown()
     second.shutdown()
