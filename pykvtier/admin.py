@@ -533,6 +533,7 @@ def fsck(root: str | os.PathLike, *, repair: bool = False, progress: bool = Fals
                                                jobs_in_flight=jobs_in_flight, progress=lambda n: None)
                         for i, r in zip(again, res2):
                             results[i] = r
+                        out["direct"] = len(again) < len(results)
             finally:
                 if bar is not None:
                     bar.close()

@@ -97,6 +97,15 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def flip(path: str, offset: int) -> None:
+    """Inverts the byte at ``offset`` of the file."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def unused_fanout(keys: list[bytes]) -> str:
     used = {key_digest(k).hex()[:2] for k in keys}
     return next(f"{i:02x}" for i in range(256) if f"{i:02x}" not in used)
@@ -116,13 +125,8 @@ def damaged(root: str, tmp_path) -> dict:
     outside = tmp_path / "outside"
     outside.mkdir()
     p = {i: block_path(root, k) for i, k in enumerate(KEYS)}
-    with open(p[0], "r+b") as f:  # a payload byte flipped
-        f.seek(HEADER_BYTES + 100)
-        b = f.read(1)
-        f.seek(HEADER_BYTES + 100)
-        f.write(bytes([b[0] ^ 0xFF]))
-    with open(p[1], "r+b") as f:  # a magic byte flipped
-        f.write(b"X")
+    flip(p[0], HEADER_BYTES + 100)  # a payload byte
+    flip(p[1], 0)  # a magic byte
     os.truncate(p[2], HEADER_BYTES + BS // 2)  # truncated
     renamed = block_path(root, OTHER)  # key-3's file under another key's name
     os.rename(p[3], renamed)
@@ -265,6 +269,30 @@ def test_fsck_other_shapes(root: str, tmp_path) -> None:
         assert list(loaded) == [keys[5]] and t.num_blocks == 1
     finally:
         t.shutdown()
+
+
+@pytest.fixture
+def ramfs_root(tmp_path):
+    """A root on ramfs (refuses O_DIRECT at open); skipped where it cannot be mounted."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount ramfs here (needs root)")
+    try:
+        yield str(mnt / "root")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_fsck_where_o_direct_is_refused(ramfs_root: str, monkeypatch) -> None:
+    make_root(ramfs_root, KEYS[:3])
+    flip(block_path(ramfs_root, KEYS[0]), HEADER_BYTES + 7)
+    r = admin.fsck(ramfs_root)
+    assert (r["direct"], r["ok"], r["corrupt"]) == (False, 2, {**NO_PROBLEM, "checksum": 1})
+    # O_DIRECT reads that fail with EINVAL are read again buffered, not counted as I/O errors
+    monkeypatch.setattr(admin, "_direct_ok", lambda path, block_size: True)
+    r = admin.fsck(ramfs_root)
+    assert (r["direct"], r["ok"], r["corrupt"]) == (False, 2, {**NO_PROBLEM, "checksum": 1})
 
 
 def test_fsck_without_marker_takes_the_first_header(root: str) -> None:
