@@ -284,8 +284,9 @@ def ramfs_root(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def test_fsck_where_o_direct_is_refused(ramfs_root: str, monkeypatch) -> None:
-    make_root(ramfs_root, KEYS[:3])
+def test_fsck_where_o_direct_is_refused(root: str, ramfs_root: str, monkeypatch) -> None:
+    make_root(root, KEYS[:3])
+    shutil.copytree(root, ramfs_root, symlinks=True)  # (made on disk: fsck is under test here)
     flip(block_path(ramfs_root, KEYS[0]), HEADER_BYTES + 7)
     r = admin.fsck(ramfs_root)
     assert (r["direct"], r["ok"], r["corrupt"]) == (False, 2, {**NO_PROBLEM, "checksum": 1})
