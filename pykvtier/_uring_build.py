@@ -1,9 +1,9 @@
 """cffi builder (out-of-line API mode) for ``pykvtier._uring``: liburing for the phase-1 probe.
 
-The module exposes exactly what :mod:`pykvtier.probe` needs to prepare ``statx`` SQEs from
-Python, submit them in batches and reap their CQEs. API mode: every call goes through a
-compiled C wrapper, ``static inline`` liburing functions included, and cffi releases the GIL
-around each call.
+The module exposes exactly what :mod:`pykvtier.probe` needs: set up a ring, prepare and submit
+a batch of ``statx`` SQEs in one call, reap every completed CQE in one call, wait. API mode:
+every call goes through a compiled C wrapper, ``static inline`` liburing functions included,
+and cffi releases the GIL around each call (``Py_BEGIN_ALLOW_THREADS`` in the emitted source).
 
 Build-time script; it must not import anything from ``pykvtier`` (it runs before the package
 exists). CMake runs it as::
@@ -24,43 +24,40 @@ import cffi
 
 MODULE_NAME = "pykvtier._uring"
 
-# C declarations visible from Python. Structures that Python only allocates or passes around
-# are partial (``...;``): the C compiler supplies their real size and layout.
+# C declarations visible from Python. Structures are partial (``...;``): the C compiler
+# supplies their real size and layout.
 CDEF = """
 struct io_uring { ...; };
-struct io_uring_sqe { uint64_t user_data; ...; };
-struct io_uring_cqe { uint64_t user_data; int32_t res; uint32_t flags; ...; };
-struct statx { uint32_t stx_mask; uint64_t stx_size; ...; };
+struct statx { uint32_t stx_mask; uint32_t stx_nlink; uint16_t stx_mode; uint64_t stx_size; ...; };
+struct pykvtier_statx_req { struct statx stx; uint64_t tag; int32_t res; uint32_t done; ...; };
 
 #define AT_FDCWD ...
 #define AT_SYMLINK_NOFOLLOW ...
 #define AT_STATX_SYNC_AS_STAT ...
+#define STATX_TYPE ...
+#define STATX_MODE ...
+#define STATX_NLINK ...
 #define STATX_SIZE ...
-#define STATX_BASIC_STATS ...
 #define IORING_SETUP_SUBMIT_ALL ...
 #define IORING_FEAT_NODROP ...
 
 int io_uring_queue_init(unsigned entries, struct io_uring *ring, unsigned flags);
 void io_uring_queue_exit(struct io_uring *ring);
-struct io_uring_sqe *io_uring_get_sqe(struct io_uring *ring);
-void io_uring_prep_statx(struct io_uring_sqe *sqe, int dfd, const char *path, int flags,
-                         unsigned mask, struct statx *statxbuf);
-void io_uring_sqe_set_data64(struct io_uring_sqe *sqe, uint64_t data);
-int io_uring_submit(struct io_uring *ring);
-unsigned io_uring_sq_ready(const struct io_uring *ring);
-unsigned io_uring_sq_space_left(const struct io_uring *ring);
-unsigned io_uring_peek_batch_cqe(struct io_uring *ring, struct io_uring_cqe **cqes,
-                                 unsigned count);
-void io_uring_cq_advance(struct io_uring *ring, unsigned nr);
 
 unsigned pykvtier_ring_features(const struct io_uring *ring);
+unsigned pykvtier_sq_entries(const struct io_uring *ring);
 unsigned pykvtier_cq_entries(const struct io_uring *ring);
-unsigned pykvtier_reap(struct io_uring *ring, uint64_t *user_data, int32_t *res, unsigned max);
+int pykvtier_statx_submit(struct io_uring *ring, const char *paths, size_t stride,
+                          const uint64_t *offsets, struct pykvtier_statx_req *reqs,
+                          unsigned count, uint64_t tag_base, int dfd, int flags, unsigned mask,
+                          unsigned *prepared, unsigned *submits);
+unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask, uint64_t *tag, int32_t *res,
+                             uint64_t *size, uint32_t *mode, uint32_t *nlink, unsigned max);
 int pykvtier_wait(struct io_uring *ring, unsigned wait_nr, int64_t timeout_ns);
 """
 
-# C source compiled into the module. The helpers batch what would otherwise be one
-# GIL-releasing call per CQE; SQE preparation stays in Python.
+# C source compiled into the module. The helpers move the per-probe loops out of Python: one
+# call prepares and submits a whole batch of statx SQEs, one call reaps every completed one.
 C_SOURCE = r"""
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE 1
@@ -77,6 +74,12 @@ static unsigned pykvtier_ring_features(const struct io_uring *ring)
     return ring->features;
 }
 
+/* Number of entries of the submission queue ring. */
+static unsigned pykvtier_sq_entries(const struct io_uring *ring)
+{
+    return ring->sq.ring_entries;
+}
+
 /* Number of entries of the completion queue ring. */
 static unsigned pykvtier_cq_entries(const struct io_uring *ring)
 {
@@ -84,13 +87,73 @@ static unsigned pykvtier_cq_entries(const struct io_uring *ring)
 }
 
 /*
- * Non-blocking: copy up to `max` available CQEs into user_data[] and res[], mark them seen and
- * return how many were copied. io_uring_peek_batch_cqe also flushes CQEs the kernel kept on
- * its overflow list (IORING_FEAT_NODROP) without waiting. CQEs of the timeout SQEs liburing
- * itself submits for a timed wait on kernels without IORING_FEAT_EXT_ARG are dropped.
+ * One statx probe of a batch. The kernel writes `stx`; pykvtier_statx_reap sets `res` and
+ * `done`. The SQE's user_data is the request's address, so a CQE leads back to it.
  */
-static unsigned pykvtier_reap(struct io_uring *ring, uint64_t *user_data, int32_t *res,
-                              unsigned max)
+struct pykvtier_statx_req {
+    struct statx stx;
+    uint64_t tag;   /* the caller's number for this probe, given back by the reap */
+    int32_t res;    /* valid once done: 0, or -errno (-ENODATA: a field of `mask` is missing) */
+    uint32_t done;  /* 0 while in flight, 1 once its CQE was reaped */
+};
+
+/*
+ * Prepares one statx(dfd, path, flags, mask) SQE per request and submits them, as few
+ * io_uring_submit calls as the SQ ring allows (one when `count` fits in it). Request i
+ * (i < count) reads the NUL-terminated path at paths + offsets[i] (paths + i * stride when
+ * `offsets` is NULL), writes reqs[i] and is tagged tag_base + i; requests before *prepared
+ * are already queued (0 on the first call). The paths and reqs must live until every
+ * request's CQE was reaped.
+ * Returns 0 once all `count` went out, or the negative errno of a failed io_uring_submit
+ * (-EBUSY/-EAGAIN: reap completions, then call again with the same arguments). *prepared
+ * counts the requests queued so far; *submits is incremented per io_uring_submit call that
+ * carried SQEs. Never waits for completions.
+ */
+static int pykvtier_statx_submit(struct io_uring *ring, const char *paths, size_t stride,
+                                 const uint64_t *offsets, struct pykvtier_statx_req *reqs,
+                                 unsigned count, uint64_t tag_base, int dfd, int flags,
+                                 unsigned mask, unsigned *prepared, unsigned *submits)
+{
+    for (;;) {
+        while (*prepared < count) {
+            unsigned i = *prepared;
+            struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+
+            if (sqe == NULL)
+                break;
+            reqs[i].tag = tag_base + i;
+            reqs[i].res = 0;
+            reqs[i].done = 0;
+            io_uring_prep_statx(sqe, dfd, paths + (offsets ? offsets[i] : (size_t)i * stride),
+                                flags, mask, &reqs[i].stx);
+            io_uring_sqe_set_data64(sqe, (uint64_t)(uintptr_t)&reqs[i]);
+            (*prepared)++;
+        }
+        while (io_uring_sq_ready(ring)) {
+            int rc = io_uring_submit(ring);
+
+            if (rc > 0)
+                (*submits)++;
+            else if (rc != -EINTR)
+                return rc < 0 ? rc : -EIO;
+        }
+        if (*prepared == count)
+            return 0;
+    }
+}
+
+/*
+ * Non-blocking: reaps up to `max` available CQEs of statx requests queued by
+ * pykvtier_statx_submit. For each: marks the request done, sets its `res` (-ENODATA when the
+ * file system filled in fewer fields than `mask`), and appends (tag, res, size, mode, nlink)
+ * to the five output arrays (size, mode, nlink are 0 unless res == 0). Returns how many were
+ * appended. io_uring_peek_batch_cqe also flushes CQEs the kernel kept on its overflow list
+ * (IORING_FEAT_NODROP). CQEs of the timeout SQEs liburing itself submits for a timed wait on
+ * kernels without IORING_FEAT_EXT_ARG are dropped.
+ */
+static unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask, uint64_t *tag,
+                                    int32_t *res, uint64_t *size, uint32_t *mode,
+                                    uint32_t *nlink, unsigned max)
 {
     struct io_uring_cqe *cqes[64];
     unsigned total = 0;
@@ -105,10 +168,21 @@ static unsigned pykvtier_reap(struct io_uring *ring, uint64_t *user_data, int32_
         if (got == 0)
             break;
         for (i = 0; i < got; i++) {
+            struct pykvtier_statx_req *req;
+            int32_t r = cqes[i]->res;
+
             if (cqes[i]->user_data == LIBURING_UDATA_TIMEOUT)
                 continue;
-            user_data[total] = cqes[i]->user_data;
-            res[total] = cqes[i]->res;
+            req = (struct pykvtier_statx_req *)(uintptr_t)cqes[i]->user_data;
+            if (r == 0 && (req->stx.stx_mask & mask) != mask)
+                r = -ENODATA;
+            req->res = r;
+            req->done = 1;
+            tag[total] = req->tag;
+            res[total] = r;
+            size[total] = r == 0 ? req->stx.stx_size : 0;
+            mode[total] = r == 0 ? req->stx.stx_mode : 0;
+            nlink[total] = r == 0 ? req->stx.stx_nlink : 0;
             total++;
         }
         io_uring_cq_advance(ring, got);

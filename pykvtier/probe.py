@@ -1,16 +1,21 @@
-"""Phase-1 asynchronous existence probe: batched ``statx`` through io_uring, driven from Python.
+"""Phase-1 asynchronous existence probe: batched ``statx`` through io_uring.
 
 The lookup path answers from its in-memory index first; keys the index cannot answer become
-paths handed to :class:`ExistenceProbe`. One :meth:`ExistenceProbe.submit` per scheduler step
-queues one ``statx`` SQE per path and makes a single ``io_uring_submit`` call; the kernel works
-while the scheduler goes on; the next step's :meth:`ExistenceProbe.poll` reaps what completed,
-without ever waiting.
+paths handed to :class:`ExistenceProbe`. One submit per scheduler step queues one ``statx``
+SQE per path: the per-probe loops run in C (``pykvtier._uring``, built by cffi from
+``_uring_build.py``): one call prepares and submits the whole batch, one call reaps every
+completed probe into arrays. The kernel works while the scheduler goes on; results are
+collected without ever waiting, in bounded slices (:meth:`ExistenceProbe.poll` with
+``max_results``), or one probe at a time (:meth:`ExistenceProbe.take`).
+
+``statx`` is asked with ``AT_SYMLINK_NOFOLLOW``: a symbolic link is reported as the link itself
+(its ``mode`` says ``S_IFLNK``), never as its target, so a link planted at a block path cannot
+pass for a block. The result carries the file type and the link count for that check.
 
 Where io_uring is unavailable (the ``pykvtier._uring`` extension is not built, or the kernel or
 a container's seccomp profile refuses ``io_uring_setup``), the probe falls back to a synchronous
-``os.stat`` per path: the same results, but :meth:`~ExistenceProbe.submit` then costs one
-blocking system call per path. The fallback is announced once per process in the
-``pykvtier`` log.
+``os.lstat`` per path: the same results, but a submit then costs one blocking system call per
+path. The fallback is announced once per process in the ``pykvtier`` log.
 """
 
 from __future__ import annotations
@@ -21,16 +26,44 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
-__all__ = ["ExistenceProbe", "ProbeResult", "ProbePath"]
+import numpy as np
+
+__all__ = ["ExistenceProbe", "ProbeColumns", "ProbeResult", "ProbePath"]
 
 logger = logging.getLogger("pykvtier")
 
-#: One probe outcome: ``(token, size_bytes, 0)`` when the path exists, ``(token, None, errno)``
-#: otherwise (``errno.ENOENT`` for a missing path).
-ProbeResult = tuple[object, Union[int, None], int]
+
+class ProbeResult(NamedTuple):
+    """One probe outcome.
+
+    ``size_bytes`` is the file's size (``stx_size``) when ``error`` is 0, else ``None``;
+    ``error`` is 0 or the errno (``ENOENT`` for a missing path, ``ENOTDIR``, ``ENAMETOOLONG``,
+    ``EACCES``, ``ELOOP``... as ``lstat(2)`` reports them; ``ENODATA`` when the file system
+    returned no size, type or link count). ``mode`` (``st_mode``: file type and permission
+    bits) and ``nlink`` (hard links) are 0 unless ``error`` is 0.
+    """
+
+    token: object
+    size_bytes: Union[int, None]
+    error: int
+    mode: int
+    nlink: int
+
+
+class ProbeColumns(NamedTuple):
+    """Several probe outcomes as parallel lists (element ``i`` of each is one probe), for
+    callers that apply many results in a loop. As :class:`ProbeResult`, except that
+    ``sizes[i]`` is 0 (not ``None``) where ``errors[i]`` is not 0."""
+
+    tokens: list
+    sizes: list
+    errors: list
+    modes: list
+    nlinks: list
+
 
 #: A path to probe: ``str`` (encoded with :func:`os.fsencode`), ``bytes`` or a path-like object.
 ProbePath = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
@@ -39,6 +72,9 @@ BackendName = Literal["io_uring", "stat"]
 
 #: Largest SQ ring the kernel accepts without clamping (``IORING_MAX_ENTRIES``).
 MAX_ENTRIES = 32768
+
+_TICKET_BITS = 32  # a ticket is (batch number << 32) | index in the batch
+_INDEX_MASK = (1 << _TICKET_BITS) - 1
 
 _fallback_logged = False
 
@@ -49,16 +85,9 @@ def _log_fallback_once(reason: str) -> None:
         _fallback_logged = True
         logger.warning(
             "pykvtier: io_uring existence probe unavailable (%s); "
-            "falling back to synchronous os.stat",
+            "falling back to synchronous os.lstat",
             reason,
         )
-
-
-class _BatchBuffers(NamedTuple):
-    """Memory the kernel reads (paths) and writes (statx results) for one submitted batch."""
-
-    path_blob: Any  # cdata char[]: the batch's paths, each NUL-terminated
-    statx_array: Any  # cdata struct statx[]: one result buffer per probe
 
 
 def _os_error(err: int, what: str) -> OSError:
@@ -66,32 +95,51 @@ def _os_error(err: int, what: str) -> OSError:
     return OSError(err, f"{what} failed: {name} ({os.strerror(err)})")
 
 
+def _empty_columns() -> ProbeColumns:
+    return ProbeColumns([], [], [], [], [])
+
+
+class _Batch:
+    """One submitted batch: its tokens, the memory the kernel reads (paths) and writes
+    (requests), and which results were handed out. Freed once every result was handed out
+    (every CQE has been reaped by then, so the kernel no longer touches the memory)."""
+
+    __slots__ = ("tokens", "paths", "reqs", "handed", "left")
+
+    def __init__(self, tokens: list, paths: Any, reqs: Any) -> None:
+        self.tokens = tokens
+        self.paths = paths  # cdata over the caller's buffer (keeps it alive) or an owned copy
+        self.reqs = reqs  # cdata struct pykvtier_statx_req[len(tokens)]
+        self.handed = np.zeros(len(tokens), dtype=bool)
+        self.left = len(tokens)  # results not yet handed out
+
+
 class ExistenceProbe:
-    """Asynchronous, batched existence-and-size check of files.
+    """Asynchronous, batched check of files: existence, size, file type, link count.
 
     Each probe is a ``(token, path)`` pair: ``token`` is any object the caller uses to match
-    the result (a key, a request id), returned unchanged; tokens need not be unique. A result
-    is ``(token, size_bytes, 0)`` when ``path`` exists (``size_bytes``: the file's size in
-    bytes, from ``statx``'s ``stx_size``; symbolic links are followed, as by :func:`os.stat`),
-    else ``(token, None, errno)``: ``errno.ENOENT`` when it is missing, ``ENOTDIR``,
-    ``ENAMETOOLONG``, ``EACCES``, ``ELOOP``... as ``stat(2)`` reports them, or ``ENODATA``
-    when the file system returned no size (io_uring backend only). Results come in completion
-    order, not submission order.
+    the result (a key, a request id), returned unchanged; tokens need not be unique. Every
+    probe gets a **ticket** (an int, unique for the probe's lifetime) from
+    :meth:`submit_packed`; :meth:`take` answers one ticket. Each result is handed out exactly
+    once, by :meth:`poll`, :meth:`poll_columns`, :meth:`wait` or :meth:`take`. Results come in
+    completion order, not submission order.
 
     Attributes:
         backend: ``"io_uring"`` (asynchronous) or ``"stat"`` (synchronous fallback).
         fallback_reason: why io_uring is not used, or ``None`` when it is.
+        entries: SQ ring size (a batch up to this many probes goes out in one
+            ``io_uring_submit``); 0 on ``"stat"``.
         submits: number of ``io_uring_submit`` calls that carried SQEs (always 0 on ``"stat"``).
         probes: number of probes queued since creation.
 
     Thread rules: not thread-safe. One owner (the scheduler thread) calls every method; the
-    probe holds no lock. The GIL is released inside each liburing call, so other Python
-    threads run while the kernel is entered, notably during :meth:`wait`.
+    probe holds no lock. The GIL is released inside each call into ``pykvtier._uring``, so
+    other Python threads run while the kernel is entered, notably during :meth:`wait`.
 
-    Memory rules: the path and ``struct statx`` buffers of a probe live until its completion
-    is reaped; :meth:`close` (also run by the context manager and, as a last resort, by the
-    garbage collector) waits for every in-flight probe before the ring is torn down, so the
-    kernel never writes into freed memory.
+    Memory rules: the paths and ``statx`` buffers of a batch live until each of its results
+    was handed out; :meth:`close` (also run by the context manager and, as a last resort, by
+    the garbage collector) waits for every in-flight probe before the ring is torn down, so
+    the kernel never writes into freed memory.
     """
 
     def __init__(self, entries: int = 256, *, backend: str = "auto") -> None:
@@ -99,9 +147,11 @@ class ExistenceProbe:
 
         Args:
             entries: submission queue size (SQEs; rounded up to a power of two by the kernel),
-                1 to 32768. The completion queue is twice as large; a batch larger than the
-                free SQ space is split over several ``io_uring_submit`` calls.
-            backend: ``"auto"`` (io_uring, else the ``os.stat`` fallback), ``"io_uring"``
+                1 to 32768: size it for the usual batch. The completion queue is twice as
+                large; a batch larger than the SQ ring goes out in several ``io_uring_submit``
+                calls (still one call into C); more completions than the CQ ring holds wait
+                in the kernel (``IORING_FEAT_NODROP``), none is lost.
+            backend: ``"auto"`` (io_uring, else the ``os.lstat`` fallback), ``"io_uring"``
                 (raise instead of falling back) or ``"stat"`` (always synchronous).
 
         Raises:
@@ -110,13 +160,14 @@ class ExistenceProbe:
             OSError: ``backend="io_uring"`` and ``io_uring_queue_init`` failed
                 (``EPERM``/``ENOSYS`` where io_uring is blocked, ``ENOMEM``...).
         """
-        if not 1 <= entries <= MAX_ENTRIES:
-            raise ValueError(f"entries must be in [1, {MAX_ENTRIES}], got {entries!r}")
+        if isinstance(entries, bool) or not isinstance(entries, int) or not 1 <= entries <= MAX_ENTRIES:
+            raise ValueError(f"entries must be an int in [1, {MAX_ENTRIES}], got {entries!r}")
         if backend not in ("auto", "io_uring", "stat"):
             raise ValueError(f"backend must be 'auto', 'io_uring' or 'stat', got {backend!r}")
 
         self.backend: BackendName = "stat"
         self.fallback_reason: str | None = None
+        self.entries = 0
         self.submits = 0
         self.probes = 0
 
@@ -124,12 +175,12 @@ class ExistenceProbe:
         self._ffi: Any = None
         self._lib: Any = None
         self._ring: Any = None
-        # user_data -> (token, the batch's buffers, index in the batch); the buffers stay
-        # alive until the last probe that uses them is reaped.
-        self._pending: dict[int, tuple[object, _BatchBuffers, int]] = {}
-        # Results reaped from the kernel (or computed by os.stat) not yet handed to the caller.
-        self._ready: list[ProbeResult] = []
-        self._next_id = itertools.count(1)
+        self._batch_numbers = itertools.count(1)
+        self._batches: dict[int, _Batch] = {}  # batch number -> batch with results not handed out
+        self._unreturned = 0  # probes queued whose result was not handed out yet
+        self._unreaped = 0  # probes queued whose CQE was not reaped yet (io_uring)
+        # "stat" backend: ticket -> result, in completion (= submission) order.
+        self._stat_ready: dict[int, ProbeResult] = {}
 
         if backend == "stat":
             self.fallback_reason = "backend='stat' requested"
@@ -168,34 +219,33 @@ class ExistenceProbe:
             raise _os_error(errno.ENOTSUP, "io_uring IORING_FEAT_NODROP check (kernel < 5.5)")
 
         self._ffi, self._lib, self._ring = ffi, lib, ring
-        capacity = lib.pykvtier_cq_entries(ring)
-        self._reap_capacity = capacity
-        self._reap_user_data = ffi.new("uint64_t[]", capacity)
-        self._reap_res = ffi.new("int32_t[]", capacity)
+        self.entries = lib.pykvtier_sq_entries(ring)
+        self._flags = lib.AT_SYMLINK_NOFOLLOW | lib.AT_STATX_SYNC_AS_STAT
+        self._mask = lib.STATX_TYPE | lib.STATX_MODE | lib.STATX_NLINK | lib.STATX_SIZE
+        self._prepared = ffi.new("unsigned *")
+        self._submit_calls = ffi.new("unsigned *")
+        # Reaped results not handed out yet, in completion order: entries [pos, count) of five
+        # parallel arrays. Capacity >= results not handed out + CQEs still to come, so a reap
+        # never runs out of room (see _make_room).
+        self._out_pos = 0
+        self._out_count = 0
+        self._alloc_out(lib.pykvtier_cq_entries(ring))
         self.backend = "io_uring"
 
     # -- public API -------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
-        """Probes submitted whose results :meth:`poll`/:meth:`wait` have not returned yet."""
-        return len(self._pending) + len(self._ready)
+        """Probes queued whose results have not been handed out yet."""
+        return self._unreturned
 
     def submit(self, items: Iterable[tuple[object, ProbePath]]) -> int:
         """Queue one probe per ``(token, path)`` pair; return how many were queued.
 
-        io_uring: prepares one ``statx(AT_FDCWD, path, AT_STATX_SYNC_AS_STAT, STATX_SIZE)`` SQE
-        per pair and makes one ``io_uring_submit`` call for the whole batch (more only when
-        the batch exceeds the free SQ space). Never waits for completions.
-        ``"stat"`` fallback: runs :func:`os.stat` on each path now (blocking) and keeps the
-        results for the next :meth:`poll`.
-
-        Raises:
-            ValueError: the probe is closed, or a path contains a NUL byte; nothing of the
-                batch is queued then.
-            TypeError: a path is not ``str``, ``bytes`` or path-like.
-            OSError: ``io_uring_submit`` failed (a kernel resource shortage); probes already
-                prepared stay queued and go out with the next submit or :meth:`wait`.
+        A convenience over :meth:`submit_packed` for paths of any length and type (the
+        per-path encoding runs in Python). Raises as :meth:`submit_packed`, and
+        ``TypeError`` for a path that is not ``str``, ``bytes`` or path-like; nothing of the
+        batch is queued then.
         """
         self._check_open()
         batch = [(token, os.fsencode(path)) for token, path in items]
@@ -204,24 +254,161 @@ class ExistenceProbe:
                 raise ValueError(f"embedded NUL byte in path {raw!r}")
         if not batch:
             return 0
+        tokens = [token for token, _ in batch]
+        raws = [raw for _, raw in batch]
         if self._ring is None:
-            self._stat_batch(batch)
-            self.probes += len(batch)
+            self._stat_batch(next(self._batch_numbers), tokens, raws)
         else:
-            self._queue_batch(batch)
+            offsets = self._ffi.new("uint64_t[]", [0, *itertools.accumulate(len(r) + 1 for r in raws[:-1])])
+            blob = self._ffi.new("char[]", b"\0".join(raws))  # one trailing NUL from char[]
+            self._queue(tokens, blob, 0, offsets)
         return len(batch)
 
-    def poll(self) -> list[ProbeResult]:
-        """Return the results of every probe completed since the last call, without blocking.
+    def submit_packed(self, tokens: Sequence[object], paths: Any, stride: int) -> int:
+        """Queue one probe per token with its path taken from a packed buffer, in one call
+        into C (one ``io_uring_submit`` when the batch fits in the SQ ring); never waits.
 
-        Each in-flight probe is returned exactly once, by :meth:`poll` or :meth:`wait`.
-        Raises ``ValueError`` once closed.
+        ``paths`` (any buffer: ``bytes``, a NumPy array...) holds ``len(tokens)`` slots of
+        ``stride`` bytes; slot ``i`` is the NUL-terminated path of ``tokens[i]`` (absolute, or
+        relative to the working directory), NUL-padded to ``stride``. Each probe is
+        ``statx(AT_FDCWD, path, AT_SYMLINK_NOFOLLOW | AT_STATX_SYNC_AS_STAT, STATX_TYPE |
+        STATX_MODE | STATX_NLINK | STATX_SIZE)``. The buffer is kept (not copied) until every
+        probe of the batch was handed out: do not change it meanwhile. On ``"stat"`` the
+        ``os.lstat`` calls run now (blocking) and the results wait for the next poll.
+
+        Returns the first ticket: ``tokens[i]``'s probe has ticket ``first + i``. A probe the
+        kernel refused to take (``io_uring_submit`` failing even after completions made room)
+        completes with that errno instead.
+
+        Raises:
+            ValueError: the probe is closed, ``stride`` < 1, ``paths`` is shorter than
+                ``len(tokens) * stride`` bytes, or a slot's last byte is not NUL; nothing
+                of the batch is queued then.
         """
         self._check_open()
-        if self._ring is not None:
+        n = len(tokens)
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive int, got {stride!r}")
+        view = np.frombuffer(paths, dtype=np.uint8)
+        if view.size < n * stride:
+            raise ValueError(f"paths holds {view.size} bytes, {n} paths of stride {stride} need {n * stride}")
+        if n and view[stride - 1:n * stride:stride].any():
+            bad = int(np.flatnonzero(view[stride - 1:n * stride:stride])[0])
+            raise ValueError(f"path {bad} of the batch is not NUL-terminated within stride {stride}")
+        tokens = list(tokens)
+        if self._ring is None:
+            raws = [bytes(view[i * stride:(i + 1) * stride]).split(b"\0", 1)[0] for i in range(n)]
+            return self._stat_batch(next(self._batch_numbers), tokens, raws)
+        return self._queue(tokens, self._ffi.from_buffer("char[]", paths), stride, self._ffi.NULL)
+
+    def take(self, ticket: int) -> ProbeResult | None:
+        """The result of one probe if it completed, else ``None``; never waits.
+
+        Reaps completions (one call into C) when this probe's is not there yet. The result
+        is then handed out: :meth:`poll` will not return it.
+
+        Raises:
+            KeyError: ``ticket`` is not a probe in flight (unknown, or its result was
+                already handed out).
+            ValueError: the probe is closed.
+        """
+        self._check_open()
+        if self._ring is None:
+            result = self._stat_ready.pop(ticket, None)
+            if result is None:
+                raise KeyError(f"probe ticket {ticket!r} is not in flight")
+            self._unreturned -= 1
+            return result
+        number, index = ticket >> _TICKET_BITS, ticket & _INDEX_MASK
+        batch = self._batches.get(number)
+        if batch is None or index >= len(batch.tokens) or batch.handed[index]:
+            raise KeyError(f"probe ticket {ticket!r} is not in flight")
+        req = batch.reqs[index]
+        if not req.done:
             self._reap()
-        results, self._ready = self._ready, []
-        return results
+            if not req.done:
+                return None
+        res = req.res
+        if res:
+            result = ProbeResult(batch.tokens[index], None, -res, 0, 0)
+        else:
+            stx = req.stx
+            result = ProbeResult(batch.tokens[index], stx.stx_size, 0, stx.stx_mode, stx.stx_nlink)
+        batch.handed[index] = True
+        batch.left -= 1
+        self._unreturned -= 1
+        if batch.left == 0:  # `req` points into its memory: read above, before this
+            del self._batches[number]
+        return result
+
+    def poll(self, max_results: int | None = None) -> list[ProbeResult]:
+        """Return results of completed probes (at most ``max_results``; all when ``None``),
+        without blocking. Each probe's result is handed out exactly once.
+        Raises ``ValueError`` once closed, or for a negative ``max_results``."""
+        c = self.poll_columns(max_results)
+        return [
+            ProbeResult(t, s if e == 0 else None, e, m, n)
+            for t, s, e, m, n in zip(c.tokens, c.sizes, c.errors, c.modes, c.nlinks)
+        ]
+
+    def poll_columns(self, max_results: int | None = None) -> ProbeColumns:
+        """As :meth:`poll`, as parallel lists: the form for applying many results in a loop
+        (the results are copied out of the reap arrays by NumPy, not one by one)."""
+        self._check_open()
+        if max_results is not None and max_results < 0:
+            raise ValueError(f"max_results must be >= 0 or None, got {max_results!r}")
+        if self._ring is None:
+            return self._stat_poll(max_results)
+        self._reap()
+        pos = self._out_pos
+        k = self._out_count - pos
+        if max_results is not None:
+            k = min(k, max_results)
+        if k <= 0:
+            return _empty_columns()
+        ffi = self._ffi
+        tags = np.frombuffer(ffi.buffer(self._out_tag + pos, 8 * k), dtype=np.uint64)
+        res = np.frombuffer(ffi.buffer(self._out_res + pos, 4 * k), dtype=np.int32)
+        size = np.frombuffer(ffi.buffer(self._out_size + pos, 8 * k), dtype=np.uint64)
+        mode = np.frombuffer(ffi.buffer(self._out_mode + pos, 4 * k), dtype=np.uint32)
+        nlink = np.frombuffer(ffi.buffer(self._out_nlink + pos, 4 * k), dtype=np.uint32)
+        numbers = tags >> np.uint64(_TICKET_BITS)
+        indexes = (tags & np.uint64(_INDEX_MASK)).astype(np.intp)
+        if (numbers == numbers[0]).all():  # the usual case: one batch
+            groups = [int(numbers[0])]
+        else:
+            groups = np.unique(numbers).tolist()
+        keep = np.ones(k, dtype=bool)
+        tokens_of: dict[int, list] = {}
+        for number in groups:
+            sel = None if len(groups) == 1 else numbers == number
+            idx = indexes if sel is None else indexes[sel]
+            batch = self._batches.get(number)
+            if batch is None:  # every result of it was handed out by take()
+                fresh = np.zeros(len(idx), dtype=bool)
+            else:
+                fresh = ~batch.handed[idx]
+                batch.handed[idx] = True
+                handed = int(fresh.sum())
+                batch.left -= handed
+                self._unreturned -= handed
+                tokens_of[number] = batch.tokens
+                if batch.left == 0:
+                    del self._batches[number]
+            if sel is None:
+                keep = fresh
+            else:
+                keep[sel] = fresh
+        self._out_pos = pos + k
+        if not keep.all():
+            numbers, indexes = numbers[keep], indexes[keep]
+            res, size, mode, nlink = res[keep], size[keep], mode[keep], nlink[keep]
+        if len(tokens_of) == 1:
+            (toks,) = tokens_of.values()
+            tokens = [toks[i] for i in indexes.tolist()]
+        else:
+            tokens = [tokens_of[b][i] for b, i in zip(numbers.tolist(), indexes.tolist())]
+        return ProbeColumns(tokens, size.tolist(), (-res).tolist(), mode.tolist(), nlink.tolist())
 
     def wait(self, timeout_s: float | None = None) -> list[ProbeResult]:
         """Block until every in-flight probe completed, or ``timeout_s`` seconds passed.
@@ -235,19 +422,25 @@ class ExistenceProbe:
             ValueError: the probe is closed, or ``timeout_s`` is negative.
             OSError: the kernel refused to wait (anything but a timeout or a signal).
         """
+        self.wait_completed(timeout_s)
+        return self.poll()
+
+    def wait_completed(self, timeout_s: float | None = None) -> bool:
+        """As :meth:`wait`, but the results stay to be handed out (by :meth:`poll`,
+        :meth:`take`...). Returns True when no probe is left in flight in the kernel."""
         self._check_open()
         if timeout_s is not None and timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 or None, got {timeout_s!r}")
         if self._ring is not None:
             self._wait_ring(timeout_s)
-        return self.poll()
+            return self._unreaped == 0
+        return True
 
     def close(self) -> None:
         """Wait for every in-flight probe, then release the ring. Idempotent.
 
-        Results not yet returned by :meth:`poll`/:meth:`wait` are discarded; call
-        :meth:`wait` first to keep them. Afterwards every method but :meth:`close` raises
-        ``ValueError``.
+        Results not yet handed out are discarded; call :meth:`wait` first to keep them.
+        Afterwards every method but :meth:`close` raises ``ValueError``.
         """
         if self._closed:
             return
@@ -255,8 +448,9 @@ class ExistenceProbe:
             self._wait_ring(None)
             self._lib.io_uring_queue_exit(self._ring)
             self._ring = None
-        self._pending.clear()
-        self._ready.clear()
+        self._batches.clear()
+        self._stat_ready.clear()
+        self._unreturned = 0
         self._closed = True
 
     def __enter__(self) -> ExistenceProbe:
@@ -284,81 +478,114 @@ class ExistenceProbe:
 
     # -- io_uring backend -------------------------------------------------------------------
 
-    def _queue_batch(self, batch: list[tuple[object, bytes]]) -> None:
-        ffi, lib, ring = self._ffi, self._lib, self._ring
-        dfd, flags, mask = lib.AT_FDCWD, lib.AT_STATX_SYNC_AS_STAT, lib.STATX_SIZE
-        # Two allocations per batch, not two per probe: every path, NUL-terminated, in one
-        # char array, and one struct statx per probe in one array. Each pending entry holds
-        # a reference to both, so they are freed once the batch's last probe is reaped.
-        path_blob = ffi.new("char[]", b"\0".join(raw for _, raw in batch))
-        statx_array = ffi.new("struct statx[]", len(batch))
-        buffers = _BatchBuffers(path_blob, statx_array)
-        pending = self._pending
-        offset = 0
-        prepared = 0
-        try:
-            for index, (token, raw) in enumerate(batch):
-                sqe = lib.io_uring_get_sqe(ring)
-                if sqe == ffi.NULL:  # SQ ring full: send what is there, then go on
-                    self._flush()
-                    sqe = lib.io_uring_get_sqe(ring)
-                user_data = next(self._next_id)
-                lib.io_uring_prep_statx(
-                    sqe, dfd, path_blob + offset, flags, mask, statx_array + index
-                )
-                lib.io_uring_sqe_set_data64(sqe, user_data)
-                pending[user_data] = (token, buffers, index)
-                offset += len(raw) + 1
-                prepared += 1
-            self._flush()
-        finally:
-            self.probes += prepared
+    def _alloc_out(self, capacity: int) -> None:
+        """(Re)allocate the reap arrays with room for `capacity` results, keeping the
+        results not handed out yet at the front."""
+        ffi = self._ffi
+        pos, count = self._out_pos, self._out_count
+        arrays = []
+        for name, ctype in (("_out_tag", "uint64_t"), ("_out_res", "int32_t"),
+                            ("_out_size", "uint64_t"), ("_out_mode", "uint32_t"),
+                            ("_out_nlink", "uint32_t")):
+            new = ffi.new(f"{ctype}[]", capacity)
+            old = getattr(self, name, None)
+            if old is not None and count > pos:
+                ffi.memmove(new, old + pos, (count - pos) * ffi.sizeof(ctype))
+            arrays.append((name, new))
+        for name, new in arrays:
+            setattr(self, name, new)
+        self._out_count = count - pos
+        self._out_pos = 0
+        self._out_capacity = capacity
+
+    def _make_room(self, coming: int) -> None:
+        """Ensure the reap arrays take every result not handed out plus `coming` more."""
+        if self._out_pos == self._out_count:
+            self._out_pos = self._out_count = 0
+        unconsumed = self._out_count - self._out_pos
+        need = unconsumed + coming
+        if need > self._out_capacity:
+            self._alloc_out(max(need, 2 * self._out_capacity))
+        elif self._out_count + coming > self._out_capacity:  # room, but behind the front
+            self._alloc_out(self._out_capacity)
+
+    def _queue(self, tokens: list, paths: Any, stride: int, offsets: Any) -> int:
+        ffi, lib = self._ffi, self._lib
+        n = len(tokens)
+        number = next(self._batch_numbers)
+        first = number << _TICKET_BITS
+        if not n:
+            return first
+        self._make_room(self._unreaped + n)
+        reqs = ffi.new("struct pykvtier_statx_req[]", n)
+        self._batches[number] = _Batch(tokens, paths, reqs)
+        self._unreturned += n
+        prepared, calls = self._prepared, self._submit_calls
+        prepared[0] = 0
+        calls[0] = 0
+        while True:
+            rc = lib.pykvtier_statx_submit(self._ring, paths, stride, offsets, reqs, n, first,
+                                           lib.AT_FDCWD, self._flags, self._mask, prepared, calls)
+            if rc in (-errno.EBUSY, -errno.EAGAIN) and self._reap():
+                continue  # completions made room: go on with the rest
+            if rc != -errno.EINTR:
+                break
+        self.submits += calls[0]
+        queued = prepared[0]
+        self.probes += n
+        self._unreaped += queued
+        if rc < 0:  # the kernel refused the rest: they complete with its errno
+            self._fail(reqs, first, range(queued, n), -rc)
+        return first
+
+    def _fail(self, reqs: Any, first: int, indexes: range, err: int) -> None:
+        """Complete never-submitted probes with `err` (appended to the reap arrays)."""
+        for i in indexes:
+            reqs[i].res = -err
+            reqs[i].done = 1
+            c = self._out_count
+            self._out_tag[c] = first + i
+            self._out_res[c] = -err
+            self._out_size[c] = self._out_mode[c] = self._out_nlink[c] = 0
+            self._out_count = c + 1
 
     def _flush(self) -> None:
-        """Submit every prepared SQE. Raises ``OSError`` if the kernel keeps refusing."""
-        lib, ring = self._lib, self._ring
-        while lib.io_uring_sq_ready(ring):
-            rc = lib.io_uring_submit(ring)
-            if rc > 0:
-                self.submits += 1
-                continue
-            if rc == -errno.EINTR:
-                continue
+        """Submit SQEs a failed submit left in the SQ ring. Raises ``OSError`` if refused."""
+        lib = self._lib
+        prepared, calls = self._prepared, self._submit_calls
+        prepared[0] = 0
+        calls[0] = 0
+        while True:
+            rc = lib.pykvtier_statx_submit(self._ring, self._ffi.NULL, 0, self._ffi.NULL,
+                                           self._ffi.NULL, 0, 0, 0, 0, 0, prepared, calls)
             if rc in (-errno.EBUSY, -errno.EAGAIN) and self._reap():
-                continue  # completions made room: try again
-            raise _os_error(-rc if rc < 0 else errno.EIO, "io_uring_submit")
+                continue
+            if rc != -errno.EINTR:
+                break
+        self.submits += calls[0]
+        if rc < 0:
+            raise _os_error(-rc, "io_uring_submit")
 
     def _reap(self) -> int:
-        """Move every available CQE into ``self._ready``, without blocking; return the count."""
-        lib, ring = self._lib, self._ring
-        total = 0
-        while True:
-            n = lib.pykvtier_reap(ring, self._reap_user_data, self._reap_res, self._reap_capacity)
-            if n == 0:
-                return total
-            total += n
-            user_data = self._ffi.unpack(self._reap_user_data, n)
-            res = self._ffi.unpack(self._reap_res, n)
-            pop, ready = self._pending.pop, self._ready
-            size_mask = lib.STATX_SIZE
-            for uid, rc in zip(user_data, res):
-                token, buffers, index = pop(uid)
-                if rc < 0:
-                    ready.append((token, None, -rc))
-                    continue
-                statx_buf = buffers.statx_array[index]
-                if statx_buf.stx_mask & size_mask:
-                    ready.append((token, statx_buf.stx_size, 0))
-                else:  # the file system gave no size: cannot vouch for the block
-                    ready.append((token, None, errno.ENODATA))
-            if n < self._reap_capacity:
-                return total
+        """Move every available CQE into the reap arrays, without blocking (one call into
+        C); return the count."""
+        if not self._unreaped:
+            return 0
+        self._make_room(self._unreaped)
+        c = self._out_count
+        n = self._lib.pykvtier_statx_reap(
+            self._ring, self._mask, self._out_tag + c, self._out_res + c, self._out_size + c,
+            self._out_mode + c, self._out_nlink + c, self._out_capacity - c,
+        )
+        self._out_count = c + n
+        self._unreaped -= n
+        return n
 
     def _wait_ring(self, timeout_s: float | None) -> None:
         self._flush()  # SQEs a failed submit left behind must go out before waiting
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._reap()
-        while self._pending:
+        while self._unreaped:
             if deadline is None:
                 timeout_ns = -1
             else:
@@ -366,22 +593,40 @@ class ExistenceProbe:
                 if remaining <= 0:
                     return
                 timeout_ns = max(1, int(remaining * 1e9))
-            rc = self._lib.pykvtier_wait(self._ring, len(self._pending), timeout_ns)
+            rc = self._lib.pykvtier_wait(self._ring, self._unreaped, timeout_ns)
             if rc < 0 and rc not in (-errno.ETIME, -errno.EINTR):
                 raise _os_error(-rc, "io_uring_wait_cqes")
             self._reap()
 
-    # -- os.stat fallback -------------------------------------------------------------------
+    # -- os.lstat fallback ------------------------------------------------------------------
 
-    def _stat_batch(self, batch: list[tuple[object, bytes]]) -> None:
-        ready = self._ready
-        for token, raw in batch:
+    def _stat_batch(self, number: int, tokens: list, raws: list[bytes]) -> int:
+        first = number << _TICKET_BITS
+        ready = self._stat_ready
+        for i, (token, raw) in enumerate(zip(tokens, raws)):
             try:
-                st = os.stat(raw)
+                st = os.lstat(raw)
             except OSError as exc:
-                ready.append((token, None, exc.errno or errno.EIO))
+                ready[first + i] = ProbeResult(token, None, exc.errno or errno.EIO, 0, 0)
             else:
-                ready.append((token, st.st_size, 0))
+                ready[first + i] = ProbeResult(token, st.st_size, 0, st.st_mode, st.st_nlink)
+        self.probes += len(tokens)
+        self._unreturned += len(tokens)
+        return first
+
+    def _stat_poll(self, max_results: int | None) -> ProbeColumns:
+        ready = self._stat_ready
+        k = len(ready) if max_results is None else min(max_results, len(ready))
+        out = _empty_columns()
+        for ticket in list(itertools.islice(ready, k)):
+            r = ready.pop(ticket)
+            out.tokens.append(r.token)
+            out.sizes.append(0 if r.size_bytes is None else r.size_bytes)
+            out.errors.append(r.error)
+            out.modes.append(r.mode)
+            out.nlinks.append(r.nlink)
+        self._unreturned -= k
+        return out
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,6 +14,7 @@ import functools
 import logging
 import operator
 import os
+import stat
 import time
 import weakref
 from collections import OrderedDict
@@ -201,6 +202,40 @@ def _as_key(key: Any) -> bytes:
     raise TypeError(f"key must be bytes, not {type(key).__name__}")
 
 
+#: SQ ring of a shared tier's existence probe: a probe storm of a few thousand unknown keys
+#: (one step's worth) goes out in one io_uring_submit.
+_PROBE_RING_ENTRIES = 4096
+
+
+def _packed_block_paths(layout: Layout, digests: list[bytes]) -> tuple[Any, int]:
+    """``layout.block_path`` of each digest as one buffer of NUL-padded slots of ``stride``
+    bytes (ExistenceProbe.submit_packed's form), built with NumPy rather than per digest.
+    The name pattern is read off ``block_path`` of the first digest; should it ever not be
+    PREFIX/hh/HEX+SUFFIX, the paths are joined one by one instead."""
+    import numpy as np
+
+    n = len(digests)
+    h0 = digests[0].hex().encode()
+    sample = os.fsencode(layout.block_path(digests[0]))
+    at = sample.rfind(h0)
+    hexs = b"".join(digests).hex().encode()
+    if at >= 3 and sample[at - 3:at] == h0[:2] + b"/" and len(hexs) == n * len(h0):
+        prefix, suffix, width = sample[:at - 3], sample[at + len(h0):], len(h0)
+        stride = len(sample) + 1
+        out = np.zeros((n, stride), dtype=np.uint8)
+        hx = np.frombuffer(hexs, dtype=np.uint8).reshape(n, width)
+        p = len(prefix)
+        out[:, :p] = np.frombuffer(prefix, dtype=np.uint8)
+        out[:, p:p + 2] = hx[:, :2]
+        out[:, p + 2] = ord("/")
+        out[:, p + 3:p + 3 + width] = hx
+        out[:, p + 3 + width:p + 3 + width + len(suffix)] = np.frombuffer(suffix, dtype=np.uint8)
+        return out, stride
+    raws = [os.fsencode(layout.block_path(d)) for d in digests]
+    stride = max(map(len, raws)) + 1
+    return b"".join(r.ljust(stride, b"\0") for r in raws), stride
+
+
 class DiskTier:
     """A secondary KV-cache tier on a POSIX directory, loaded and stored through io_uring.
 
@@ -325,7 +360,7 @@ class DiskTier:
                 "blocks_loaded", "blocks_stored", "bytes_loaded", "bytes_stored",
                 "load_failures", "store_failures", "verify_failures", "quarantined",
                 "evictions", "eviction_failures", "capacity_rejections", "probes",
-                "probe_hits", "stale_temporaries_removed", "direct_fallbacks",
+                "probe_hits", "probe_results_applied", "stale_temporaries_removed", "direct_fallbacks",
                 "malformed_block_files", "evictions_recycled",
             ),
             0,
@@ -348,7 +383,7 @@ class DiskTier:
 
         self._engine = _make_engine(engine, queue_depth, max_inflight_bytes)
         self.engine_name = "posix" if isinstance(self._engine, PosixEngine) else "uring"
-        self._probe = ExistenceProbe(entries=256) if shared else None
+        self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if shared else None
 
         self._index: dict[bytes, _Entry] = {}  # digest -> entry
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # PRESENT digests, oldest first
@@ -356,8 +391,8 @@ class DiskTier:
         self._loading: dict[bytes, int] = {}  # digest -> loads in flight
         self._failed: set[bytes] = set()  # digests whose load failed: MISS until stored again
         self._removed: list[bytes] | None = [] if track_removals else None
-        self._probe_wanted: set[bytes] = set()
-        self._probing: set[bytes] = set()
+        self._probe_wanted: dict[bytes, None] = {}  # digests to probe at the step's end, first asked first
+        self._probing: dict[bytes, int] = {}  # digest -> ticket of its probe in flight
         self._probe_misses: dict[bytes, float] = {}  # digest -> time the MISS expires
         self._pending: dict[int, _Pending] = {}  # engine job id -> caller job
         self._evicting: dict[int, list[bytes]] = {}  # engine job id -> digests being removed
@@ -521,8 +556,6 @@ class DiskTier:
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
         digest = key_digest(_as_key(key))
-        if self._probing:
-            self._apply_probes()
         r = self._lookup_digest(digest)
         self._stats["lookups"] += 1
         self._stats[_LOOKUP_COUNTER[r]] += 1
@@ -542,45 +575,66 @@ class DiskTier:
             return LookupResult.MISS  # being removed
         if not self.shared:
             return LookupResult.MISS
-        if digest in self._probing or digest in self._probe_wanted:
+        ticket = self._probing.get(digest)
+        if ticket is not None:  # applies this key's probe result only, if it completed
+            r = self._probe.take(ticket)
+            if r is None:
+                return LookupResult.RETRY
+            self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, time.monotonic())
+            return self._lookup_digest(digest)
+        if digest in self._probe_wanted:
             return LookupResult.RETRY
         expiry = self._probe_misses.get(digest)
         if expiry is not None:
             if time.monotonic() < expiry:
                 return LookupResult.MISS
             del self._probe_misses[digest]
-        self._probe_wanted.add(digest)
+        self._probe_wanted[digest] = None
         return LookupResult.RETRY
 
     def on_step_end(self) -> None:
-        """Once per scheduler step: submits the existence probes gathered since the last step
-        (one batch of statx SQEs, one io_uring_submit) and applies finished ones."""
+        """Once per scheduler step: applies the existence probes that completed, then submits
+        those gathered since the last step (one call into C: one batch of statx SQEs, one
+        io_uring_submit while the batch fits the ring). Never waits."""
         if self._probe is None or self._closed:
             return
         if self._probing:
             self._apply_probes()
         if self._probe_wanted:
-            batch = [(d, self.layout.block_path(d)) for d in self._probe_wanted]
-            self._probing.update(self._probe_wanted)
+            digests = list(self._probe_wanted)
             self._probe_wanted.clear()
-            self._stats["probes"] += len(batch)
-            self._probe.submit(batch)
-            self._apply_probes()
+            paths, stride = _packed_block_paths(self.layout, digests)
+            first = self._probe.submit_packed(digests, paths, stride)
+            self._probing.update(zip(digests, range(first, first + len(digests))))
+            self._stats["probes"] += len(digests)
 
-    def _apply_probes(self, results: list | None = None) -> None:
-        """Applies finished existence probes (polled without waiting, unless given)."""
+    def _apply_probes(self, results: Iterable | None = None) -> None:
+        """Applies every completed existence probe (polled without waiting), or ``results``
+        (ProbeResult items)."""
+        if results is None:
+            c = self._probe.poll_columns()
+            results = zip(c.tokens, c.sizes, c.errors, c.modes, c.nlinks)
         now = time.monotonic()
-        for digest, size, _err in self._probe.poll() if results is None else results:
-            self._probing.discard(digest)
-            if digest in self._index:
-                continue
-            if size == self.file_bytes and digest not in self._failed:
-                self._index[digest] = _Entry(_State.PRESENT)
-                self._lru[digest] = None
-                self._used_bytes += self.file_bytes
-                self._stats["probe_hits"] += 1
-            else:
-                self._probe_misses[digest] = now + self.probe_ttl_s
+        apply = self._apply_probe
+        for digest, size, err, mode, nlink in results:
+            apply(digest, size, err, mode, nlink, now)
+
+    def _apply_probe(self, digest: bytes, size: int | None, err: int, mode: int, nlink: int,
+                     now: float) -> None:
+        """One probe's answer: a HIT only for a regular file (statx does not follow a link),
+        with one link, of the block file size."""
+        del self._probing[digest]
+        self._stats["probe_results_applied"] += 1
+        if digest in self._index:
+            return
+        if (err == 0 and size == self.file_bytes and nlink == 1 and stat.S_ISREG(mode)
+                and digest not in self._failed):
+            self._index[digest] = _Entry(_State.PRESENT)
+            self._lru[digest] = None
+            self._used_bytes += self.file_bytes
+            self._stats["probe_hits"] += 1
+        else:
+            self._probe_misses[digest] = now + self.probe_ttl_s
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Marks blocks as recently used (eviction order)."""

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -20,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 import pykvtier.probe as probe_module
+from pykvtier.buffers import host_arena
 from pykvtier.probe import ExistenceProbe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -91,10 +94,15 @@ def _write(path: Path, size: int) -> Path:
     return path
 
 
+def _triples(results: list) -> list:
+    """(token, size_bytes, error) of each result."""
+    return [(r.token, r.size_bytes, r.error) for r in results]
+
+
 def _by_token(results: list) -> dict:
-    tokens = [r[0] for r in results]
+    tokens = [r.token for r in results]
     assert len(tokens) == len(set(tokens)), f"a probe was reported twice: {results}"
-    return {token: (size, err) for token, size, err in results}
+    return {r.token: (r.size_bytes, r.error) for r in results}
 
 
 # -- results -------------------------------------------------------------------------------
@@ -104,7 +112,9 @@ def _by_token(results: list) -> dict:
 def test_existing_file_reports_exact_size(any_probe, tmp_path, size):
     path = _write(tmp_path / "block.bin", size)
     assert any_probe.submit([("key", str(path))]) == 1
-    assert any_probe.wait() == [("key", size, 0)]
+    (result,) = any_probe.wait()
+    assert result == ("key", size, 0, result.mode, 1)
+    assert stat.S_ISREG(result.mode) and stat.S_IMODE(result.mode) == stat.S_IMODE(path.stat().st_mode)
     assert any_probe.in_flight == 0
 
 
@@ -121,7 +131,7 @@ def test_tokens_are_returned_unchanged_and_may_repeat(any_probe, tmp_path):
     path = str(_write(tmp_path / "b", 10))
     token = ("request-7", b"\x01\x02", 3)
     any_probe.submit([(token, path), (token, path)])
-    assert any_probe.wait() == [(token, 10, 0), (token, 10, 0)]
+    assert _triples(any_probe.wait()) == [(token, 10, 0), (token, 10, 0)]
 
 
 def test_non_ascii_paths(any_probe, tmp_path):
@@ -176,24 +186,43 @@ def _varied_paths(root: Path) -> list[tuple[str, object]]:
 def test_fallback_gives_identical_results(uring_module, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     items = _varied_paths(tmp_path)
-    with _make_probe("io_uring") as uring, ExistenceProbe(backend="stat") as stat:
-        assert uring.backend == "io_uring" and stat.backend == "stat"
+    with _make_probe("io_uring") as uring, ExistenceProbe(backend="stat") as stat_probe:
+        assert uring.backend == "io_uring" and stat_probe.backend == "stat"
         uring.submit(items)
-        stat.submit(items)
-        uring_results = _by_token(uring.wait())
-        stat_results = _by_token(stat.wait())
-    assert uring_results == stat_results
+        stat_probe.submit(items)
+        uring_results = {r.token: r for r in uring.wait()}
+        stat_results = {r.token: r for r in stat_probe.wait()}
+    assert uring_results == stat_results  # size, errno, mode and link count alike
     assert len(uring_results) == len(items)
+
     # Spot checks, so that "identical" is not "identically wrong".
-    assert uring_results["file5"] == (2 * 1024 * 1024, 0)
-    assert uring_results["relative"] == (65537, 0)
-    assert uring_results["link-to-file"] == (4096, 0)
-    assert uring_results["dangling-link"] == (None, errno.ENOENT)
-    assert uring_results["empty"] == (None, errno.ENOENT)
-    assert uring_results["loop"] == (None, errno.ELOOP)
-    assert uring_results["through-a-file"] == (None, errno.ENOTDIR)
-    assert uring_results["long-component"] == (None, errno.ENAMETOOLONG)
-    assert uring_results["longer-than-path-max"] == (None, errno.ENAMETOOLONG)
+    def short(token):
+        r = uring_results[token]
+        return r.size_bytes, r.error, stat.S_IFMT(r.mode), r.nlink
+
+    assert short("file5") == (2 * 1024 * 1024, 0, stat.S_IFREG, 1)
+    assert short("relative") == (65537, 0, stat.S_IFREG, 1)
+    assert short("dir")[1:3] == (0, stat.S_IFDIR)
+    # Links are never followed (AT_SYMLINK_NOFOLLOW / lstat): each is reported as itself, a
+    # link whose size is the length of the path it holds.
+    assert short("link-to-file") == (len(str(tmp_path / "file3")), 0, stat.S_IFLNK, 1)
+    assert short("dangling-link") == (len(str(tmp_path / "gone")), 0, stat.S_IFLNK, 1)
+    assert short("loop") == (len(str(tmp_path / "loop-b")), 0, stat.S_IFLNK, 1)
+    assert short("empty") == (None, errno.ENOENT, 0, 0)
+    assert short("missing") == (None, errno.ENOENT, 0, 0)
+    assert short("through-a-file") == (None, errno.ENOTDIR, 0, 0)
+    assert short("long-component") == (None, errno.ENAMETOOLONG, 0, 0)
+    assert short("longer-than-path-max") == (None, errno.ENAMETOOLONG, 0, 0)
+
+
+def test_hard_links_are_counted(any_probe, tmp_path):
+    _write(tmp_path / "one", 100)
+    os.link(tmp_path / "one", tmp_path / "two")
+    _write(tmp_path / "single", 100)
+    any_probe.submit([("one", tmp_path / "one"), ("two", tmp_path / "two"),
+                      ("single", tmp_path / "single")])
+    assert {r.token: (r.size_bytes, r.nlink) for r in any_probe.wait()} == {
+        "one": (100, 2), "two": (100, 2), "single": (100, 1)}
 
 
 # -- batching ------------------------------------------------------------------------------
@@ -315,7 +344,7 @@ def test_missing_extension_falls_back_to_stat_and_warns_once(tmp_path, monkeypat
     assert first.submit([("f", str(tmp_path / "f")), ("g", str(tmp_path / "g"))]) == 2
     assert first.submits == 0 and first.probes == 2
     assert first.in_flight == 2  # results wait for the next poll, as with io_uring
-    assert first.poll() == [("f", 3, 0), ("g", None, errno.ENOENT)]
+    assert _triples(first.poll()) == [("f", 3, 0), ("g", None, errno.ENOENT)]
     assert first.in_flight == 0
     with pytest.raises(ImportError):
         ExistenceProbe(backend="io_uring")
@@ -350,7 +379,7 @@ def test_ring_setup_failure_falls_back_to_stat(uring_module, tmp_path, monkeypat
     assert errno.errorcode[err] in probe.fallback_reason
     _write(tmp_path / "f", 9)
     probe.submit([("f", tmp_path / "f")])
-    assert probe.poll() == [("f", 9, 0)]
+    assert _triples(probe.poll()) == [("f", 9, 0)]
     probe.close()
     with pytest.raises(OSError) as excinfo:
         ExistenceProbe(backend="io_uring")
@@ -422,3 +451,292 @@ def test_builder_script_emits_c_source(tmp_path):
     assert "Py_BEGIN_ALLOW_THREADS" in source  # the GIL is released around C calls
     usage = subprocess.run([sys.executable, str(BUILDER)], capture_output=True)
     assert usage.returncode == 2
+
+
+# -- one call into C per batch -------------------------------------------------------------
+
+
+class _CountingLib:
+    """Forwards to the real cffi lib, counting the calls by name."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args)
+
+        return call
+
+
+def _packed(paths: list[bytes]) -> tuple[bytes, int]:
+    stride = max(map(len, paths)) + 1
+    return b"".join(p.ljust(stride, b"\0") for p in paths), stride
+
+
+def test_a_batch_is_one_call_into_c_to_submit_and_one_to_reap(uring_module, tmp_path):
+    _write(tmp_path / "present", 42)
+    paths = [os.fsencode(tmp_path / ("present" if i % 3 == 0 else f"absent{i}")) for i in range(3600)]
+    blob, stride = _packed(paths)
+    with _make_probe("io_uring", entries=4096) as probe:
+        counting = _CountingLib(probe._lib)
+        probe._lib = counting
+        first = probe.submit_packed(list(range(3600)), blob, stride)
+        assert counting.calls == {"pykvtier_statx_submit": 1}
+        assert probe.submits == 1 and probe.probes == 3600
+        counting.calls.clear()
+        assert probe.wait_completed(timeout_s=60)
+        # one reap per wake-up of the wait (each reap takes every CQE there), none per probe
+        assert set(counting.calls) <= {"pykvtier_statx_submit", "pykvtier_wait", "pykvtier_statx_reap"}
+        assert counting.calls["pykvtier_statx_reap"] <= counting.calls.get("pykvtier_wait", 0) + 1
+        counting.calls.clear()
+        results = probe.poll()  # all reaped already: handed out without a call into C
+        assert counting.calls == {} and probe.in_flight == 0
+    assert first & 0xFFFFFFFF == 0
+    assert _by_token(results) == {i: (42, 0) if i % 3 == 0 else (None, errno.ENOENT) for i in range(3600)}
+
+
+def test_poll_hands_out_bounded_slices(uring_probe, tmp_path):
+    _write(tmp_path / "present", 5)
+    items = [(i, tmp_path / ("present" if i % 2 else f"absent{i}")) for i in range(100)]
+    uring_probe.submit(items)
+    assert uring_probe.wait_completed(timeout_s=60)
+    slices = [uring_probe.poll(max_results=16) for _ in range(7)]
+    assert [len(s) for s in slices] == [16, 16, 16, 16, 16, 16, 4]
+    assert uring_probe.poll(max_results=16) == [] and uring_probe.in_flight == 0
+    assert _by_token([r for s in slices for r in s]) == {
+        i: (5, 0) if i % 2 else (None, errno.ENOENT) for i in range(100)}
+    with pytest.raises(ValueError):
+        uring_probe.poll(max_results=-1)
+
+
+class _LibWhereNothingCompletes:
+    """Forwards to the real cffi lib, but reaps nothing: every probe looks in flight."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def pykvtier_statx_reap(self, *args):
+        return 0
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+def test_take_answers_one_ticket_exactly_once(any_probe, tmp_path):
+    _write(tmp_path / "a", 7)
+    paths = [os.fsencode(tmp_path / n) for n in ("a", "b", "a", "c")]
+    blob, stride = _packed(paths)
+    first = any_probe.submit_packed(["a0", "b", "a2", "c"], blob, stride)
+    if any_probe.backend == "io_uring":
+        real = any_probe._lib
+        any_probe._lib = _LibWhereNothingCompletes(real)
+        assert any_probe.take(first + 2) is None  # not reaped yet: in flight
+        any_probe._lib = real
+        assert any_probe.wait_completed(timeout_s=60)
+    r = any_probe.take(first + 2)
+    assert (r.token, r.size_bytes, r.error, r.nlink) == ("a2", 7, 0, 1) and stat.S_ISREG(r.mode)
+    with pytest.raises(KeyError):
+        any_probe.take(first + 2)  # handed out already
+    with pytest.raises(KeyError):
+        any_probe.take(first + 4)  # no such probe
+    assert any_probe.take(first + 1) == ("b", None, errno.ENOENT, 0, 0)
+    rest = any_probe.poll()  # the two not taken, each once
+    assert _by_token(rest) == {"a0": (7, 0), "c": (None, errno.ENOENT)}
+    assert any_probe.in_flight == 0
+    with pytest.raises(KeyError):
+        any_probe.take(first)
+
+
+def test_submit_packed_rejects_bad_buffers(any_probe):
+    with pytest.raises(ValueError, match="stride"):
+        any_probe.submit_packed(["a"], b"/x\0", 0)
+    with pytest.raises(ValueError, match="need 8"):
+        any_probe.submit_packed(["a", "b"], b"/x\0\0/y\0", 4)
+    with pytest.raises(ValueError, match="path 1 of the batch is not NUL-terminated"):
+        any_probe.submit_packed(["a", "b"], b"/x\0\0/yyy", 4)
+    assert any_probe.in_flight == 0 and any_probe.probes == 0
+
+
+class _LibWhereSubmitFails:
+    def __init__(self, lib, err):
+        self._lib, self._err = lib, err
+
+    def pykvtier_statx_submit(self, *args):
+        return -self._err
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+def test_probes_the_kernel_refuses_complete_with_its_errno(uring_probe, tmp_path):
+    real = uring_probe._lib
+    uring_probe._lib = _LibWhereSubmitFails(real, errno.ENOMEM)
+    uring_probe.submit([(i, tmp_path / f"x{i}") for i in range(10)])
+    uring_probe._lib = real
+    assert _by_token(uring_probe.poll()) == {i: (None, errno.ENOMEM) for i in range(10)}
+    _write(tmp_path / "y", 3)
+    uring_probe.submit([("y", tmp_path / "y")])  # the probe still works
+    assert _triples(uring_probe.wait()) == [("y", 3, 0)]
+
+
+def test_builder_releases_the_gil_in_the_batch_calls(tmp_path):
+    out = tmp_path / "_uring.c"
+    subprocess.run([sys.executable, str(BUILDER), str(out)], check=True, capture_output=True)
+    source = out.read_text()
+    for fn in ("pykvtier_statx_submit", "pykvtier_statx_reap", "pykvtier_wait"):
+        body = source[source.index(f"_cffi_f_{fn}(PyObject *self, PyObject *args)"):]
+        body = body[:body.index("\n}\n")]
+        assert "Py_BEGIN_ALLOW_THREADS" in body and f"{{ result = {fn}(" in body, fn
+
+
+# -- the tier's probe: symlinks, hard links, a storm ----------------------------------------
+
+from pykvtier import DiskTier, LookupResult, TransferJob  # noqa: E402
+from pykvtier.layout import HEADER_BYTES, key_digest  # noqa: E402
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+HIT_PENDING = LookupResult.HIT_PENDING
+BS = 64 << 10
+
+
+def _block_file(tier: DiskTier, key: bytes) -> str:
+    path = tier.layout.block_path(key_digest(key))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def shared_pair(root):
+    """(writer, shared tier): the writer stores `b"real"`; the shared tier started before it."""
+    reader = DiskTier(root, BS, shared=True, probe_ttl_s=3600)
+    writer = DiskTier(root, BS, shared=True)
+    src = np.random.default_rng(3).integers(0, 256, (1, BS), dtype=np.uint8)
+    arena_w = host_arena(1, BS)
+    arena_w[...] = src
+    writer.set_arena(arena_w)
+    writer.submit_store(TransferJob(1, [b"real"], [0]))
+    writer.drain()
+    (res,) = writer.get_finished_jobs()
+    assert res.success
+    try:
+        yield writer, reader
+    finally:
+        reader.shutdown()
+        writer.shutdown()
+
+
+def _probe_once(tier: DiskTier, keys: list[bytes]) -> list:
+    assert [tier.lookup(k) for k in keys] == [RETRY] * len(keys)
+    tier.on_step_end()
+    tier.drain()
+    return [tier.lookup(k) for k in keys]
+
+
+def test_symlink_at_a_block_path_is_a_miss(shared_pair, tmp_path):
+    writer, reader = shared_pair
+    real = writer.layout.block_path(key_digest(b"real"))
+    outside = tmp_path / "outside.kvb"
+    shutil.copyfile(real, outside)  # a block-sized file outside the root
+    os.symlink(outside, _block_file(reader, b"link-out"))
+    os.symlink(real, _block_file(reader, b"link-in"))  # to a real block of the root
+    assert _probe_once(reader, [b"real", b"link-out", b"link-in"]) == [HIT, MISS, MISS]
+    s = reader.stats()
+    assert s["probes"] == 3 and s["probe_hits"] == 1 and s["probe_results_applied"] == 3
+    assert reader.num_blocks == 1 and reader.used_bytes == BS + HEADER_BYTES
+
+
+def test_block_file_with_two_links_is_a_miss(shared_pair):
+    writer, reader = shared_pair
+    os.link(writer.layout.block_path(key_digest(b"real")), _block_file(reader, b"hard"))
+    d = _block_file(reader, b"dir")
+    os.mkdir(d)
+    # both names of the twice-linked file are refused, as is a directory
+    assert _probe_once(reader, [b"real", b"hard", b"dir"]) == [MISS, MISS, MISS]
+    assert reader.stats()["probe_hits"] == 0 and reader.num_blocks == 0
+
+
+def _storm(root, n_keys: int, n_loads: int):
+    """A shared tier with `n_loads` loads in flight and `n_keys` unknown keys (every third
+    published by another writer after the tier's start) asked in one step."""
+    tier = DiskTier(root, BS, shared=True, probe_ttl_s=3600)
+    arena = host_arena(2 * n_loads, BS)
+    src = np.random.default_rng(5).integers(0, 256, (n_loads, BS), dtype=np.uint8)
+    arena[:n_loads] = src
+    tier.set_arena(arena)
+    pool = [b"pool-%d" % i for i in range(n_loads)]
+    tier.submit_store(TransferJob(1, pool, list(range(n_loads))))
+    tier.drain()
+    (res,) = tier.get_finished_jobs()
+    assert res.success
+    keys = [b"storm-%d" % i for i in range(n_keys)]
+    present = {k for i, k in enumerate(keys) if i % 3 == 0}
+    for k in present:
+        with open(_block_file(tier, k), "wb") as f:
+            f.truncate(BS + HEADER_BYTES)
+    for i, k in enumerate(pool):  # loads in flight through the storm
+        tier.submit_load(TransferJob(100 + i, [k], [n_loads + i]))
+    return tier, keys, present, arena, src
+
+
+def test_probe_storm_resolves_every_key_exactly(root):
+    tier, keys, present, arena, src = _storm(root, 3600, 16)
+    try:
+        assert [tier.lookup(k) for k in keys] == [RETRY] * 3600  # step 1
+        tier.on_step_end()
+        s = tier.stats()
+        assert s["probes"] == 3600 and s["probe_results_applied"] == 0
+        assert tier._probe.wait_completed(timeout_s=60)  # completed, not applied yet
+        # step 2: every key answers, each lookup applying its own probe's result only
+        applied = []
+        answers = []
+        for k in reversed(keys):  # not the order they were submitted in
+            before = tier.stats()["probe_results_applied"]
+            answers.append(tier.lookup(k))
+            applied.append(tier.stats()["probe_results_applied"] - before)
+        assert answers == [HIT if k in present else MISS for k in reversed(keys)]
+        assert applied == [1] * 3600
+        assert [tier.lookup(k) for k in keys] == [HIT if k in present else MISS for k in keys]
+        s = tier.stats()
+        assert s["probes"] == 3600 and s["probe_hits"] == len(present) == 1200
+        assert s["probe_results_applied"] == 3600 and s["hits"] == 2400 and s["misses"] == 4800
+        assert s["retries"] == 3600 and tier.num_blocks == 16 + 1200
+        tier.drain()
+        loads = tier.get_finished_jobs()
+        assert sorted(r.job_id for r in loads) == list(range(100, 116))
+        assert all(r.success for r in loads)
+        assert np.array_equal(arena[16:], src)
+        assert not tier.has_pending_work()
+    finally:
+        tier.shutdown()
+
+
+def test_a_lookup_applies_at_most_its_own_probe_result(root):
+    tier, keys, present, _arena, _src = _storm(root, 1000, 4)
+    try:
+        for k in keys:
+            tier.lookup(k)
+        tier.on_step_end()
+        assert tier._probe.wait_completed(timeout_s=60)
+        applied = tier.stats()["probe_results_applied"]
+        assert tier.lookup(b"pool-0") is HIT_PENDING  # known block (being loaded): nothing
+        assert tier.lookup(b"never-seen") is RETRY  # queued for the next step: nothing
+        assert tier.stats()["probe_results_applied"] == applied == 0
+        assert tier.lookup(keys[500]) is MISS  # its own result only (500 % 3 != 0)
+        assert tier.lookup(keys[999]) is HIT
+        assert tier.stats()["probe_results_applied"] == 2
+        tier.on_step_end()  # the rest, and submits b"never-seen"
+        s = tier.stats()
+        assert s["probe_results_applied"] == 1000 and s["probe_hits"] == len(present) == 334
+        assert s["probes"] == 1001
+        assert [tier.lookup(k) for k in keys] == [HIT if k in present else MISS for k in keys]
+        assert tier.stats()["probe_results_applied"] == 1000  # all from the index now
+        tier.drain()
+    finally:
+        tier.shutdown()
