@@ -12,6 +12,7 @@
 #include "checksum.hpp"
 #include "job_entries.hpp"
 #include "posix_engine.hpp"
+#include "safe_path.hpp"
 #include "uring_engine.hpp"
 #include "uring_probe.hpp"
 #include "xxh3_lanes.hpp"
@@ -34,12 +35,22 @@ std::string hex(uint64_t v) {
 //   write_block:    (tmp_path, final_path, payload_length, host_addr, key_digest16[, recycle_path])
 //   unlink:         (path,) or path
 std::unique_ptr<Job> make_job(uint64_t id, const std::string& op_s, const py::sequence& entries,
-                              bool direct, uint32_t align, uint32_t mem_align, bool fsync) {
+                              bool direct, uint32_t align, uint32_t mem_align, bool fsync,
+                              uint32_t file_mode) {
   auto job = std::make_unique<Job>();
   job->id = id;
   job->direct = direct;
   job->fsync = fsync;
+  if ((file_mode & ~0777u) || (file_mode & 0600u) != 0600u) {
+    std::ostringstream o;
+    o << "file_mode must be permission bits (within 0o777) with owner read and write (0o600) set, got 0o"
+      << std::oct << file_mode;
+    throw py::value_error(o.str());
+  }
+  job->file_mode = file_mode;
+  job->fix_mode = mode_needs_fix(file_mode);
   if (align == 0 || (align & (align - 1))) throw py::value_error("align must be a power of two");
+  job->align = align;
   if (mem_align == 0) mem_align = align;
   if (mem_align & (mem_align - 1)) throw py::value_error("mem_align must be a power of two");
   parse_entries(*job, op_s, entries, "host");
@@ -79,6 +90,7 @@ py::dict stats_dict(EngineStats& s) {
   d["rename_existing"] = s.rename_existing.load();
   d["recycled"] = s.recycled.load();
   d["recycle_failures"] = s.recycle_failures.load();
+  d["dir_fsyncs"] = s.dir_fsyncs.load();
   d["buffer_registration_failures"] = s.buffer_registration_failures.load();
   d["buffer_registration_errno"] = s.buffer_registration_errno.load();
   return d;
@@ -93,8 +105,8 @@ Cls& def_host_engine(Cls& cls, const char* run_doc, const char* submit_doc, cons
   cls.def(
          "run",
          [](E& e, const std::string& op, const py::sequence& entries, bool direct, uint32_t align,
-            uint32_t mem_align, bool fsync, bool latencies) -> py::object {
-           auto job = make_job(0, op, entries, direct, align, mem_align, fsync);
+            uint32_t mem_align, bool fsync, bool latencies, uint32_t file_mode) -> py::object {
+           auto job = make_job(0, op, entries, direct, align, mem_align, fsync, file_mode);
            std::vector<int64_t> out;
            {
              py::gil_scoped_release nogil;
@@ -107,15 +119,22 @@ Cls& def_host_engine(Cls& cls, const char* run_doc, const char* submit_doc, cons
            return py::make_tuple(out, lat);
          },
          py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
-         py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false, run_doc)
+         py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false,
+         py::arg("file_mode") = 0600, run_doc)
       .def(
           "submit",
           [](E& e, uint64_t job_id, const std::string& op, const py::sequence& entries, bool direct,
-             uint32_t align, uint32_t mem_align, bool fsync) {
-            e.submit(make_job(job_id, op, entries, direct, align, mem_align, fsync));
+             uint32_t align, uint32_t mem_align, bool fsync, uint32_t file_mode) {
+            e.submit(make_job(job_id, op, entries, direct, align, mem_align, fsync, file_mode));
           },
           py::arg("job_id"), py::arg("op"), py::arg("entries"), py::arg("direct") = true,
-          py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false, submit_doc)
+          py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false,
+          py::arg("file_mode") = 0600, submit_doc)
+      .def("take_leftovers", [](E& e) { return e.take_leftovers(); },
+           "Paths (list of str) of files this engine created or renamed but could not remove after\n"
+           "a failure: a failed store's temporary whose unlink failed, a recycle victim neither\n"
+           "reused nor removed. Each path is reported once; from then on it is the caller's (count\n"
+           "it, retry its removal). Never blocks; any thread.")
       .def(
           "shutdown",
           [](E& e) {
@@ -127,7 +146,8 @@ Cls& def_host_engine(Cls& cls, const char* run_doc, const char* submit_doc, cons
            "Counters: submits (io_uring_submit calls carrying SQEs; 0 for the posix engine), sqes,\n"
            "cqes, jobs_*, requests_*, bytes_read, bytes_written, fixed_buffer_ios,\n"
            "verify_failures, rename_existing, recycled (files reused by write_block),\n"
-           "recycle_failures (files to recycle that could be neither renamed nor removed).")
+           "recycle_failures (files to recycle that could be neither renamed nor removed),\n"
+           "dir_fsyncs (directory fsyncs of fsync=True jobs: one per distinct directory per job).")
       .def_property_readonly("queue_depth", [](E& e) { return e.config().queue_depth; })
       .def_property_readonly("max_inflight_bytes", [](E& e) { return e.config().max_inflight_bytes; });
   return def_finished_jobs(cls);
@@ -161,12 +181,12 @@ PYBIND11_MODULE(_native, m) {
 
   m.def(
       "probe_direct",
-      [](const std::string& dir) {
+      [](const std::string& dir, bool tmpfile) {
         DirectProbe p;
         {
           py::gil_scoped_release nogil;
           try {
-            p = probe_direct(dir);
+            p = probe_direct(dir, tmpfile);
           } catch (const std::system_error& e) {
             py::gil_scoped_acquire gil;
             throw py::value_error(e.what());
@@ -180,11 +200,21 @@ PYBIND11_MODULE(_native, m) {
         d["reason"] = p.reason;
         return d;
       },
-      py::arg("dir"),
+      py::arg("dir"), py::arg("tmpfile") = true,
       "Whether dir's file system accepts O_DIRECT, and its alignment in bytes.\n"
       "Returns a dict: direct (bool), mem_align, offset_align (bytes; from statx STATX_DIOALIGN\n"
-      "where the kernel reports it, else 4096), dioalign_from_statx, reason. Raises ValueError\n"
-      "if no file can be created in dir.");
+      "where the kernel reports it, else 4096), dioalign_from_statx, reason.\n"
+      "The probe file is an O_TMPFILE (never named); where the file system has none (or\n"
+      "tmpfile=False, for tests) a named .pykvtier-direct-probe-PID[-N] file, removed at once\n"
+      "(a name taken already, e.g. a leftover of an earlier process, is skipped). No file is\n"
+      "left. On a full file system (ENOSPC, EDQUOT) the answer comes from an O_DIRECT read of an\n"
+      "existing file under dir (a block file), else direct=False with the reason. Raises\n"
+      "ValueError if dir cannot be used otherwise (missing, not a directory, not writable).");
+  m.def(
+      "_set_openat2_disabled",
+      [](bool disabled) { openat2_disabled_for_tests() = disabled; },
+      py::arg("disabled"),
+      "Tests only: the posix engine opens as on a kernel without openat2 (the component walk).");
 
   m.def(
       "probe_uring",
@@ -260,6 +290,19 @@ Entry tuples per op:
                   creating tmp_path (unlinked afterwards if it cannot be renamed)
   unlink:        path
 Results: per entry, bytes moved, -errno, or one of ERR_* (block verification).
+
+Block files (read_block, write_block, their rename targets and recycle paths) and unlinks
+follow no symbolic link anywhere in their paths (openat2 RESOLVE_NO_SYMLINKS |
+RESOLVE_NO_MAGICLINKS): a link fails the entry with -ELOOP; pass paths without links (DiskTier
+resolves its root with realpath). Raw read/write open as open(2) does. A read_block of a
+regular file with more than one hard link fails -EMLINK. A failed read_block whose file was
+opened leaves zeros in its destination, never the bytes read. A short read is re-read from
+where it ended: the result is then the real error (-EIO) or ERR_SHORT at the end of the file.
+file_mode (default 0o600): the exact permission bits of the temporaries a job creates (set
+after creation -- an open and fchmod -- when file_mode has group or other bits, or the umask
+takes owner bits); in-place raw writes create files with file_mode minus the umask. fsync=True: each file is fdatasync'ed before its rename, then each
+distinct directory of the job's renames fsync'ed once (stats()["dir_fsyncs"]) before the job is
+reported; a failed directory fsync fails the entries renamed into it.
 )doc")
       .def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned workers,
                        double store_share) {
@@ -317,6 +360,9 @@ store_share: the share of the threads that stores and unlinks may hold at once, 
 submitted during a burst of stores starts within one request (loads go first).
 max_inflight_bytes and workers are accepted for Engine's signature; threads bound both.
 register_buffer / await_buffers do nothing (no fixed buffers without io_uring).
+Links, hard links, failed loads, short reads, file_mode and fsync as Engine's (the posix
+engine reaches every name through its directory opened without links, and falls back to
+walking the path with O_NOFOLLOW where the kernel has no openat2).
 )doc");
   posix.def(py::init([](unsigned queue_depth, uint64_t max_inflight_bytes, unsigned /*workers*/,
                         unsigned threads, double store_share) {

@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "block_format.hpp"
@@ -34,7 +36,13 @@ struct Job {
   uint64_t id = 0;
   Op op = Op::Read;
   bool direct = true;
+  // Durable writes: each file fdatasync'ed before its rename, then each distinct directory of
+  // the job's renames fsync'ed once before the job is reported.
   bool fsync = false;
+  uint32_t align = 4096;      // O_DIRECT file offset / length alignment (direct only)
+  uint32_t file_mode = 0600;  // permission bits of the files the job creates, exactly
+  bool fix_mode = false;      // set file_mode after creating (the umask may take bits of it)
+  bool complete = false;      // reported (posix engine's run(): its waiter's condition)
   std::vector<Request> reqs;
   size_t next = 0;  // next request to issue
   size_t done = 0;  // requests finished
@@ -59,6 +67,7 @@ struct EngineStats {
   std::atomic<uint64_t> fixed_buffer_ios{0}, verify_failures{0}, rename_existing{0};
   std::atomic<uint64_t> buffer_registration_failures{0};
   std::atomic<uint64_t> recycled{0}, recycle_failures{0};  // reused files; victims left behind
+  std::atomic<uint64_t> dir_fsyncs{0};  // directory fsyncs of fsync=True jobs (one per directory)
   std::atomic<int> buffer_registration_errno{0};
 };
 
@@ -70,6 +79,22 @@ FinishedJob make_finished(Job& job);
 class HostJobs : public FinishedJobs<FinishedJob> {
  public:
   EngineStats& stats() { return stats_; }
+
+  // Paths of files the engine created or renamed but could not remove after a failure (a failed
+  // store's temporary, a recycle victim neither reused nor removed), each reported once: the
+  // caller owns them from then on (counts them, retries their removal).
+  std::vector<std::string> take_leftovers() {
+    std::lock_guard<std::mutex> lk(leftovers_mu_);
+    std::vector<std::string> out;
+    out.swap(leftovers_);
+    leftover_set_.clear();
+    return out;
+  }
+  // Called by the engine's threads.
+  void add_leftover(const std::string& path) {
+    std::lock_guard<std::mutex> lk(leftovers_mu_);
+    if (leftover_set_.insert(path).second) leftovers_.push_back(path);
+  }
 
  protected:
   // Counts a submitted job. Returns false when it is empty: then it is finished already.
@@ -93,7 +118,20 @@ class HostJobs : public FinishedJobs<FinishedJob> {
 
   EngineStats stats_;
   bool stopping_ = false;  // shutdown() began: no new jobs
+
+ private:
+  std::mutex leftovers_mu_;
+  std::vector<std::string> leftovers_;  // not yet taken, in the order found
+  std::unordered_set<std::string> leftover_set_;
 };
+
+// Distinct directories of the rename targets of job's requests that succeeded (result >= 0), in
+// first-seen order: what an fsync=True job fsyncs before it is reported.
+std::vector<std::string> renamed_dirs(const Job& job);
+// After the directory fsyncs: the requests renamed into dirs[i] whose fsync failed (err[i] < 0)
+// fail with that error (their rename is not durable). Counters adjusted.
+void apply_dir_errors(Job& job, const std::vector<std::string>& dirs, const std::vector<int>& err,
+                      EngineStats& stats);
 
 // Fills hdr (kHeaderBytes) with the header of the block r writes: r.length payload bytes at
 // r.addr, key digest r.digest.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "job.hpp"
+#include "safe_path.hpp"
 
 namespace pykvtier {
 
@@ -51,6 +52,8 @@ class PosixEngine : public HostJobs {
   int64_t read(const Job& job, const Request& r, char* hdr);
   int64_t write(const Job& job, const Request& r, char* hdr, bool own);
   int64_t recycle_write(const Job& job, const Request& r, char* hdr);
+  void remove_temporary(const ParentDir& d, const Request& r);
+  void sync_dirs(Job& job);  // fsync=True: each distinct directory of the job's renames
 
   PosixEngineConfig cfg_;
   unsigned nthreads_ = 1;

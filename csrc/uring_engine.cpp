@@ -2,7 +2,9 @@
 #include "uring_engine.hpp"
 
 #include "checksum.hpp"
+#include "safe_path.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -37,13 +39,35 @@ enum Stage : uint64_t {
   kRecycle = 7,  // rename of a recycled file to the temporary name (not an error of the request)
   kStatx = 8,    // statx of the temporary after that rename: is it a reusable block file?
   kRestore = 9,  // rename of a victim that is not a reusable block file back to its name
+  kCheck = 10,   // an O_PATH open (and its close) proving a path has no link before it is used
+  kLinks = 11,   // read_block: statx of the opened path (a hard-linked block file is refused)
+  kReread = 12,  // a read's re-read of what a short read left out
+  kDirSync = 13, // fsync=True: fsync of one directory of the job's renames (sub: which)
 };
 constexpr uint64_t kStageBits = 4;
 constexpr uint64_t kWakeTag = ~0ull;
 constexpr uint64_t kMaxIoBytes = 1ull << 30;  // per-SQE limit (CQE res is int32)
 constexpr uint64_t kMaxFixedChunk = 1ull << 30;  // the kernel's limit per registered buffer
 
-uint64_t encode(uint32_t slot, Stage stage) { return (uint64_t(slot) << kStageBits) | stage; }
+constexpr unsigned kMaxRereads = 8;  // re-reads of one request after short reads
+// user_data: sub (bits 32..63: which directory, which check) | slot | stage
+uint64_t encode(uint32_t slot, Stage stage, uint32_t sub = 0) {
+  return (uint64_t(sub) << 32) | (uint64_t(slot) << kStageBits) | stage;
+}
+
+// Block files (read_block, write_block) and unlinks follow no symlink; raw reads and writes
+// (benchmark files the caller names) open as open(2) does.
+bool no_links(Op op) { return op == Op::ReadBlock || op == Op::WriteBlock || op == Op::Unlink; }
+
+// Sets path's permission bits to mode without following a link (opened, then fchmod). 0 or -errno.
+int set_mode(const std::string& path, bool safe, uint32_t mode) {
+  const int flags = O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC;
+  const int fd = safe ? open_no_links(path, flags) : ::open(path.c_str(), flags);
+  if (fd < 0) return -errno;
+  const int rc = ::fchmod(fd, mode_t(mode)) == 0 ? 0 : -errno;
+  ::close(fd);
+  return rc;
+}
 
 [[noreturn]] void throw_errno(const char* what, int err) {
   throw std::system_error(err, std::generic_category(), what);
@@ -55,8 +79,10 @@ uint64_t encode(uint32_t slot, Stage stage) { return (uint64_t(slot) << kStageBi
 
 Ring::Ring(Engine& engine, unsigned depth, int wake_fd, bool single_issuer)
     : engine_(engine), depth_(depth), wake_fd_(wake_fd) {
-  // A request has at most 5 SQEs unsubmitted at once (open, header, data, fsync, close; or the
-  // 2 of a recycle probe; or 1 follow-up); 7 per request leaves room to spare.
+  // A request has at most 6 SQEs unsubmitted at once in one chain (open, statx, header, data,
+  // close; open, header, data, fsync, close; the 6 of a recycle probe; 3 of a checked unlink or
+  // a re-read); 7 per request leaves room to spare. (A job's directory fsyncs are independent
+  // SQEs: they may be split across submits.)
   unsigned entries = 8;
   while (entries < depth * 7 + 2) entries <<= 1;
   // A worker's ring lives and dies with its thread: let the kernel run completion work only
@@ -218,6 +244,11 @@ unsigned Ring::issue(Job& job) {
     c.reuse = false;
     c.merged = false;
     c.moved = 0;
+    c.open_failed = false;
+    c.check_res[0] = c.check_res[1] = 0;
+    c.unlink_res = 0;
+    c.hdr_got = c.data_got = 0;
+    c.rereads = 0;
     r.issue_time = now;
     ++job.next;
     ++inflight_;
@@ -247,7 +278,8 @@ void Ring::prep_chain(uint32_t slot) {
     ++unsubmitted_;
   };
 
-  if (job.op == Op::Unlink) {
+  if (job.op == Op::Unlink) {  // unlinkat resolves the directories again: none may be a link
+    prep_check(slot, r.path.c_str(), O_PATH | O_NOFOLLOW, 0);
     io_uring_sqe* sqe = get_sqe();
     io_uring_prep_unlinkat(sqe, AT_FDCWD, r.path.c_str(), 0);
     finish_sqe(sqe, kUnlink, 0);
@@ -264,20 +296,22 @@ void Ring::prep_chain(uint32_t slot) {
   // tries the open without blocking first) and never through a symlink put there meanwhile.
   if (write && !r.target.empty()) flags = recycle ? O_WRONLY | O_NOFOLLOW : flags | O_EXCL;
   if (job.direct) flags |= O_DIRECT;
+  c.flags = flags;
   // (O_CLOEXEC is refused for direct descriptors: they are never in the fd table.)
   if (job.op == Op::WriteBlock) fill_header(c.header, r);
 
-  // open -> [header] -> data -> [fsync] -> close, hard-linked so that the close always runs
-  // and every stage reports its own result (a recycled file: after prep_recycle's probe).
-  io_uring_sqe* sqe = get_sqe();
-  io_uring_prep_openat_direct(sqe, AT_FDCWD, r.path.c_str(), flags, 0644, slot);
-  if (skip_open_cqe_) {
-    // A successful open posts no CQE; a failed one does (before the rest of its chain's).
-    io_uring_sqe_set_data64(sqe, encode(slot, kOpen));
-    sqe->flags |= IOSQE_IO_HARDLINK | IOSQE_CQE_SKIP_SUCCESS;
-    ++unsubmitted_;
-  } else {
-    finish_sqe(sqe, kOpen, IOSQE_IO_HARDLINK);
+  // open -> [statx] -> [header] -> data -> [fsync] -> close, hard-linked so that the close
+  // always runs and every stage reports its own result (a recycled file: after prep_recycle's
+  // probe). Block files are opened with no link anywhere in their path (openat2).
+  prep_open(slot, flags);
+  io_uring_sqe* sqe;
+  if (job.op == Op::ReadBlock) {
+    // The open's descriptor cannot be statx'ed in the ring (a fixed file): the path is. A
+    // regular file of more than one link fails -EMLINK (its bytes, read meanwhile, are zeroed).
+    sqe = get_sqe();
+    io_uring_prep_statx(sqe, AT_FDCWD, r.path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_NLINK,
+                        &c.stx);
+    finish_sqe(sqe, kLinks, IOSQE_IO_HARDLINK);
   }
 
   void* buf = reinterpret_cast<void*>(r.addr);
@@ -331,16 +365,128 @@ void Ring::prep_chain(uint32_t slot) {
   finish_sqe(sqe, kClose, 0);
 }
 
+void Ring::prep_open(uint32_t slot, int flags) {
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
+  c.how[0] = open_how{};
+  c.how[0].flags = uint64_t(flags);
+  c.how[0].mode = (flags & O_CREAT) ? job.file_mode : 0;
+  c.how[0].resolve = no_links(job.op) ? kResolveNoLinks : 0;
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_openat2_direct(sqe, AT_FDCWD, r.path.c_str(), &c.how[0], slot);
+  io_uring_sqe_set_data64(sqe, encode(slot, kOpen));
+  sqe->flags |= IOSQE_IO_HARDLINK;
+  ++unsubmitted_;
+  if (skip_open_cqe_)  // a successful open posts no CQE; a failed one does (before the chain's)
+    sqe->flags |= IOSQE_CQE_SKIP_SUCCESS;
+  else
+    ++c.pending;
+}
+
+// An O_PATH open of path with no link in its directories (flags: O_PATH | O_NOFOLLOW for an
+// entry, which may itself be a link; O_PATH | O_DIRECTORY for a directory) into the request's
+// slot, and its close, soft-linked (IOSQE_IO_LINK) to what the caller prepares next: if the
+// open fails (ELOOP, ENOENT) that is cancelled. sub 0/1: which of a request's two checks.
+void Ring::prep_check(uint32_t slot, const char* path, int flags, uint32_t sub) {
+  Ctx& c = ctx_[slot];
+  c.how[sub] = open_how{};
+  c.how[sub].flags = uint64_t(flags);
+  c.how[sub].resolve = kResolveNoLinks;
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_openat2_direct(sqe, AT_FDCWD, path, &c.how[sub], slot);
+  io_uring_sqe_set_data64(sqe, encode(slot, kCheck, sub * 2));
+  sqe->flags |= IOSQE_IO_LINK;
+  sqe = get_sqe();
+  io_uring_prep_close_direct(sqe, slot);
+  io_uring_sqe_set_data64(sqe, encode(slot, kCheck, sub * 2 + 1));
+  sqe->flags |= IOSQE_IO_LINK;
+  c.pending += 2;
+  unsubmitted_ += 2;
+}
+
+// A read that came back short (a buffered read stops before a bad sector, or the file was
+// truncated meanwhile): the file is opened again and the first missing part re-read from
+// where the short read ended (rounded down to the O_DIRECT unit), so the result is the real
+// one: the bytes, the error (EIO), or kErrShort at the end of the file.
+void Ring::prep_reread(uint32_t slot) {
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
+  const bool block = job.op == Op::ReadBlock;
+  const uint64_t unit = job.direct ? std::max<uint64_t>(4096, job.align) : 1;
+  c.reread_header = block && c.hdr_got < kHeaderBytes;
+  const uint64_t got = c.reread_header ? c.hdr_got : c.data_got;
+  const uint64_t len = c.reread_header ? kHeaderBytes : r.length;
+  char* buf = c.reread_header ? c.header : reinterpret_cast<char*>(r.addr);
+  const uint64_t file_off = c.reread_header ? 0 : (block ? kHeaderBytes : r.offset);
+  c.reread_pos = got - got % unit;
+  c.err = 0;
+  c.err_stage = 99;
+  c.phase = 8;
+  ++c.rereads;
+  prep_open(slot, c.flags);
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_read(sqe, int(slot), buf + c.reread_pos, unsigned(len - c.reread_pos), file_off + c.reread_pos);
+  io_uring_sqe_set_data64(sqe, encode(slot, kReread));
+  sqe->flags |= IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK;
+  sqe = get_sqe();
+  io_uring_prep_close_direct(sqe, slot);
+  io_uring_sqe_set_data64(sqe, encode(slot, kClose));
+  c.pending += 2;
+  unsubmitted_ += 2;
+}
+
+// fsync=True, the job's last request done: each distinct directory of the job's renames is
+// opened (no links for block files; a directory lookup, not I/O) and fsync'ed in the ring, all
+// at once. Returns false when there is nothing to wait for.
+bool Ring::start_dirsync(uint32_t slot) {
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  c.sync_dirs = renamed_dirs(job);
+  if (c.sync_dirs.empty()) return false;
+  const size_t n = c.sync_dirs.size();
+  c.sync_fds.assign(n, -1);
+  c.sync_err.assign(n, 0);
+  c.phase = 9;
+  c.pending = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC;
+    const int fd = no_links(job.op) ? open_no_links(c.sync_dirs[i], flags) : ::open(c.sync_dirs[i].c_str(), flags);
+    if (fd < 0) {
+      c.sync_err[i] = -errno;
+      continue;
+    }
+    c.sync_fds[i] = fd;
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_fsync(sqe, fd, 0);
+    io_uring_sqe_set_data64(sqe, encode(slot, kDirSync, uint32_t(i)));
+    ++c.pending;
+    ++unsubmitted_;
+    engine_.stats().dir_fsyncs++;
+  }
+  if (c.pending > 0) return true;
+  apply_dir_errors(job, c.sync_dirs, c.sync_err, engine_.stats());
+  return false;
+}
+
 // write_block with a recycle_path, before its main chain: rename the victim to the temporary
 // name, then statx what is there (hard-linked: whatever the rename returned). on_cqe decides
 // from both: overwrite it (a regular file of one link, no longer than a block), put it back
 // (anything else: a directory, FIFO, symlink, a longer or hard-linked file), or write afresh.
 // Opening what the rename brought without that check could block forever (a FIFO), write
 // through a symlink out of the root, or leave a block file longer than a block.
+//
+// renameat resolves both paths again, following links in their directories: first the victim's
+// path and the temporary's directory are proven link-free (prep_check); if either is not, the
+// rename is cancelled and nothing is moved.
 void Ring::prep_recycle(uint32_t slot) {
   Ctx& c = ctx_[slot];
   Request& r = c.job->reqs[c.index];
   c.phase = 6;
+  c.check_dir = dir_of(r.path);
+  prep_check(slot, r.recycle.c_str(), O_PATH | O_NOFOLLOW, 0);
+  prep_check(slot, c.check_dir.c_str(), O_PATH | O_DIRECTORY, 1);
   io_uring_sqe* sqe = get_sqe();
   io_uring_prep_renameat(sqe, AT_FDCWD, r.recycle.c_str(), AT_FDCWD, r.path.c_str(),
                          RENAME_NOREPLACE);
@@ -348,7 +494,7 @@ void Ring::prep_recycle(uint32_t slot) {
   sqe->flags |= IOSQE_IO_HARDLINK;
   sqe = get_sqe();
   io_uring_prep_statx(sqe, AT_FDCWD, r.path.c_str(), AT_SYMLINK_NOFOLLOW,
-                      STATX_TYPE | STATX_NLINK | STATX_SIZE, &c.stx);
+                      STATX_TYPE | STATX_MODE | STATX_NLINK | STATX_SIZE, &c.stx);
   io_uring_sqe_set_data64(sqe, encode(slot, kStatx));
   c.pending += 2;
   unsubmitted_ += 2;
@@ -358,6 +504,11 @@ void Ring::prep_followup(uint32_t slot, uint8_t phase) {
   Ctx& c = ctx_[slot];
   Request& r = c.job->reqs[c.index];
   c.phase = phase;
+  if (phase == 5) {  // the victim's path is resolved again: proven link-free first
+    c.check_res[0] = 0;
+    c.unlink_res = 0;
+    prep_check(slot, r.recycle.c_str(), O_PATH | O_NOFOLLOW, 0);
+  }
   io_uring_sqe* sqe = get_sqe();
   if (phase == 1) {
     io_uring_prep_renameat(sqe, AT_FDCWD, r.path.c_str(), AT_FDCWD, r.target.c_str(),
@@ -432,28 +583,42 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
     if (!(flags & IORING_CQE_F_MORE)) arm_wake();
     return;
   }
-  uint32_t slot = uint32_t(ud >> kStageBits);
+  const uint32_t sub = uint32_t(ud >> 32);
+  const uint32_t slot = uint32_t((ud & 0xffffffffull) >> kStageBits);
   Stage st = Stage(ud & ((1u << kStageBits) - 1));
   Ctx& c = ctx_[slot];
   Job& job = *c.job;
   Request& r = job.reqs[c.index];
+  const bool reading = job.op == Op::Read || job.op == Op::ReadBlock;
   if (st == kOpen && skip_open_cqe_) {  // only failures get here, and they are not counted
     record_error(c, st, res);
+    if (c.phase == 0) c.open_failed = true;
     return;
   }
   switch (st) {
     case kOpen:
+      if (res < 0) {
+        record_error(c, st, res);
+        if (c.phase == 0) c.open_failed = true;
+      }
+      break;
     case kFsync:
       if (res < 0) record_error(c, st, res);
       break;
+    case kLinks:
+      // (before the bytes count: reported with the open's priority)
+      if (res == 0 && S_ISREG(c.stx.stx_mode) && c.stx.stx_nlink > 1) record_error(c, kOpen, -EMLINK);
+      break;
     case kHeader:
+      if (res >= 0 && reading) c.hdr_got = uint64_t(res);
       if (res < 0)
         record_error(c, st, res);
       else if (uint64_t(res) < kHeaderBytes)
-        record_error(c, st, job.op == Op::ReadBlock ? kErrShort : -ENOSPC);
+        record_error(c, st, reading ? kErrShort : -ENOSPC);
       break;
     case kData: {
       const uint64_t head = c.merged ? kHeaderBytes : 0;  // a merged write carries the header
+      if (res >= 0 && reading) c.data_got = uint64_t(res);
       if (res < 0)
         record_error(c, st, res);
       else if (uint64_t(res) < head + r.length)
@@ -462,9 +627,25 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
         c.moved = uint64_t(res) - head;
       break;
     }
+    case kReread: {
+      uint64_t& got = c.reread_header ? c.hdr_got : c.data_got;
+      if (res < 0)
+        record_error(c, kData, res);
+      else if (c.reread_pos + uint64_t(res) > got)
+        got = c.reread_pos + uint64_t(res);
+      else
+        record_error(c, kData, kErrShort);  // nothing new: the file ends there
+      break;
+    }
     case kClose:
       // A close error matters for writes only (the data may not have reached the file).
       if (res < 0 && op_is_write(job.op) && c.err == 0) record_error(c, st, res);
+      break;
+    case kCheck:
+      // sub 0/2: the opens of check 0/1 (1/3: their closes). A failed close cancels what
+      // follows as a failed open does: the rename or unlink then reports -ECANCELED.
+      if (res < 0 && res != -ECANCELED && (sub == 0 || sub == 2) && c.check_res[sub / 2] == 0)
+        c.check_res[sub / 2] = res;
       break;
     case kRename:
       if (res == -EEXIST) {
@@ -477,8 +658,13 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
       }
       break;
     case kUnlink:
-      if (job.op == Op::Unlink && res < 0) record_error(c, st, res);
-      if (c.phase == 5 && res < 0 && res != -ENOENT) engine_.stats().recycle_failures++;
+      if (job.op == Op::Unlink && res < 0) {
+        // (a failed check cancels the unlink: its error is the result)
+        record_error(c, st, res == -ECANCELED && c.check_res[0] < 0 ? c.check_res[0] : res);
+      }
+      if (c.phase == 5) c.unlink_res = res;
+      if ((c.phase == 2 || c.phase == 4) && res < 0 && res != -ENOENT)
+        engine_.add_leftover(r.path);  // our temporary stays: the caller is told
       break;
     case kRecycle:
       c.recycle_res = res;
@@ -490,15 +676,41 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
       if (res < 0) {
         // Left at the temporary name (start-up moves stale temporaries out of the way).
         engine_.stats().recycle_failures++;
+        engine_.add_leftover(r.path);
         c.recycle_res = -ENOENT;  // whatever is at the victim's name now is not the victim
       } else {
         c.recycle_res = -EINVAL;  // back at its name: removed after the store
       }
       break;
+    case kDirSync:
+      ::close(c.sync_fds[sub]);
+      c.sync_fds[sub] = -1;
+      if (res < 0) c.sync_err[sub] = res;
+      break;
   }
   if (--c.pending > 0) return;
 
+  if (c.phase == 9) {  // the job's directories are synced: report it
+    apply_dir_errors(job, c.sync_dirs, c.sync_err, engine_.stats());
+    release(slot, finished);
+    return;
+  }
   if (c.phase == 6) {  // the recycle probe is complete: choose how the main chain opens
+    if (c.check_res[0] < 0) {
+      // The victim's path does not lead to it without a link (or it is gone): never moved,
+      // never removed (removing it by that path would follow the link).
+      if (c.check_res[0] != -ENOENT) {
+        engine_.stats().recycle_failures++;
+        if (c.check_res[0] != -ELOOP) engine_.add_leftover(r.recycle);
+      }
+      c.recycle_res = -ENOENT;
+      c.stat_res = -ENOENT;
+    } else if (c.check_res[1] < 0) {
+      // The temporary's directory is gone or a link: the store fails opening its temporary;
+      // the victim, untouched, is removed afterwards.
+      c.recycle_res = -ECANCELED;
+      c.stat_res = -ENOENT;
+    }
     const bool usable = c.stat_res == 0 && S_ISREG(c.stx.stx_mode) && c.stx.stx_nlink == 1 &&
                         c.stx.stx_size <= kHeaderBytes + r.length;
     if (c.recycle_res == 0 && !usable) {
@@ -518,9 +730,39 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
     prep_chain(slot);
     return;
   }
+  if (c.phase == 5) {  // the victim that stayed where it was: removed, or reported
+    const int e = c.check_res[0] < 0 ? c.check_res[0] : c.unlink_res;
+    if (e < 0 && e != -ENOENT) {
+      engine_.stats().recycle_failures++;
+      if (e != -ELOOP) engine_.add_leftover(r.recycle);
+    }
+    finish(slot, finished);
+    return;
+  }
 
   // The chain (or follow-up) is complete.
+  if (reading && (c.phase == 0 || c.phase == 8) && !c.open_failed) {
+    const bool missing = (job.op == Op::ReadBlock && c.hdr_got < kHeaderBytes) || c.data_got < r.length;
+    if (c.phase == 8 && c.err == 0 && !missing) {
+      // every byte is there now: verified as a whole read
+    } else if ((c.phase == 0 ? c.err == kErrShort : c.err == 0) && missing) {
+      if (c.rereads < kMaxRereads) {
+        prep_reread(slot);
+        return;
+      }
+      record_error(c, kData, kErrShort);
+    }
+  }
   const bool tmp_write = op_is_write(job.op) && job.op != Op::Unlink && !r.target.empty();
+  if (tmp_write && c.phase == 0 && c.err == 0) {
+    // file_mode may not have survived the umask (Job::fix_mode), or a recycled file has another
+    // mode: set it exactly
+    // (a synchronous open + fchmod, only then).
+    const bool fix = c.reuse ? (c.stx.stx_mode & 07777) != job.file_mode : job.fix_mode;
+    if (fix) {
+      if (int e = set_mode(r.path, no_links(job.op), job.file_mode)) record_error(c, kClose, e);
+    }
+  }
   if (tmp_write && c.phase == 0 && !(c.err != 0 && c.err_stage == kOpen && !c.reuse)) {
     // Rename into place, or remove our temporary (not when the open failed: then the file,
     // if any, is not ours -- unless it is the recycled file we renamed there).
@@ -561,9 +803,21 @@ void Ring::finish(uint32_t slot, std::vector<Job*>& finished) {
       engine_.stats().verify_failures++;
     }
   }
+  // A failed load whose file was opened: bytes may have reached the caller's memory. None stay.
+  if (job.op == Op::ReadBlock && result < 0 && !c.open_failed)
+    std::memset(reinterpret_cast<void*>(r.addr), 0, r.length);
   r.result = result;
   r.done_time = monotonic_seconds();
   (result < 0 ? engine_.stats().requests_failed : engine_.stats().requests_ok)++;
+  // The job's last request: with fsync, its directories first (the slot is kept till then).
+  if (++job.done == job.reqs.size() && job.fsync && start_dirsync(slot)) return;
+  release(slot, finished);
+}
+
+void Ring::release(uint32_t slot, std::vector<Job*>& finished) {
+  Ctx& c = ctx_[slot];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
   const uint64_t len = job.op == Op::Unlink ? 0 : r.length;
   inflight_bytes_ -= len;
   if (op_is_write(job.op)) {
@@ -573,7 +827,7 @@ void Ring::finish(uint32_t slot, std::vector<Job*>& finished) {
   --inflight_;
   c.job = nullptr;
   free_slots_.push_back(slot);
-  if (++job.done == job.reqs.size()) {
+  if (job.done == job.reqs.size()) {
     job.end_time = monotonic_seconds();
     finished.push_back(&job);
   }
@@ -763,19 +1017,10 @@ bool Engine::await_buffers(double timeout_s) {
 
 // ---------------------------------------------------------------------------- probe
 
-DirectProbe probe_direct(const std::string& dir) {
-  DirectProbe out;
-  std::string path = dir + "/.pykvtier-direct-probe-" + std::to_string(getpid());
-  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    int err = errno;
-    out.reason = std::string("open(O_DIRECT) failed: ") + std::strerror(err);
-    if (err != EINVAL) {
-      // Not an O_DIRECT refusal: e.g. the directory does not exist or is not writable.
-      throw_errno(("cannot create a file in " + dir).c_str(), err);
-    }
-    return out;
-  }
+namespace {
+
+// statx STATX_DIOALIGN of fd into out, where the kernel reports it.
+void dio_align(int fd, DirectProbe& out) {
 #ifdef STATX_DIOALIGN
   struct statx stx {};
   if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
@@ -784,23 +1029,127 @@ DirectProbe probe_direct(const std::string& dir) {
     out.offset_align = stx.stx_dio_offset_align;
     out.dioalign_from_statx = true;
   }
+#else
+  (void)fd;
+  (void)out;
 #endif
+}
+
+bool no_room(int err) { return err == ENOSPC || err == EDQUOT; }
+
+// One aligned O_DIRECT transfer of a unit at offset 0 of fd: 0 or errno (-1: short).
+int direct_io_once(int fd, const DirectProbe& out, bool write) {
   void* buf = nullptr;
-  size_t unit = std::max<size_t>(4096, out.offset_align);
-  if (posix_memalign(&buf, std::max<size_t>(4096, out.mem_align), unit) == 0) {
-    std::memset(buf, 0, unit);
-    ssize_t w = ::pwrite(fd, buf, unit, 0);
-    if (w == ssize_t(unit)) {
-      out.direct = true;
-      out.reason = "ok";
-    } else {
-      out.reason = std::string("aligned O_DIRECT write failed: ") +
-                   (w < 0 ? std::strerror(errno) : "short write");
+  const size_t unit = std::max<size_t>(4096, out.offset_align);
+  if (posix_memalign(&buf, std::max<size_t>(4096, out.mem_align), unit) != 0) return ENOMEM;
+  std::memset(buf, 0, unit);
+  const ssize_t n = write ? ::pwrite(fd, buf, unit, 0) : ::pread(fd, buf, unit, 0);
+  const int err = n < 0 ? errno : (n == ssize_t(unit) ? 0 : -1);
+  free(buf);
+  return err;
+}
+
+// A full file system: the probe cannot write, so it reads. The first regular file of at least
+// one O_DIRECT unit under dir (dir itself, then its subdirectories: blocks/ab/*.kvb), reached
+// without following links, is read with O_DIRECT. Returns true when that answered.
+bool probe_by_reading(const std::string& dir, int full_err, DirectProbe& out) {
+  const std::string why = std::string("the file system is full (") + std::strerror(full_err) + ")";
+  std::vector<std::string> dirs{dir};
+  size_t seen = 0;
+  for (size_t di = 0; di < dirs.size() && seen < 100000; ++di) {
+    const int dfd = open_no_links(dirs[di], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) continue;
+    DIR* d = fdopendir(dfd);
+    if (!d) {
+      ::close(dfd);
+      continue;
     }
-    free(buf);
+    while (dirent* e = readdir(d)) {
+      if (++seen >= 100000) break;
+      if (e->d_name[0] == '.' && (e->d_name[1] == 0 || (e->d_name[1] == '.' && e->d_name[2] == 0)))
+        continue;
+      struct stat st;
+      if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      if (S_ISDIR(st.st_mode)) {
+        if (di == 0) dirs.push_back(dirs[di] + "/" + e->d_name);  // one level down
+        continue;
+      }
+      if (!S_ISREG(st.st_mode) || st.st_size < off_t(std::max<uint32_t>(4096, out.offset_align))) continue;
+      const int fd = ::openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+      const std::string name = dirs[di] + "/" + e->d_name;
+      if (fd < 0) {
+        if (errno != EINVAL) continue;
+        out.reason = why + "; open(O_DIRECT) of " + name + " failed: " + std::strerror(EINVAL);
+        closedir(d);
+        return true;
+      }
+      dio_align(fd, out);
+      const int err = direct_io_once(fd, out, false);
+      ::close(fd);
+      out.direct = err == 0;
+      out.reason = err == 0 ? "ok (" + why + ": an aligned O_DIRECT read of " + name + ")"
+                            : why + "; aligned O_DIRECT read of " + name + " failed: " +
+                                  (err < 0 ? "short read" : std::strerror(err));
+      closedir(d);
+      return true;
+    }
+    closedir(d);
   }
+  out.direct = false;
+  out.reason = "cannot probe O_DIRECT: " + why + " and no file under " + dir + " to read";
+  return false;
+}
+
+}  // namespace
+
+DirectProbe probe_direct(const std::string& dir, bool use_tmpfile) {
+  DirectProbe out;
+  // The probe file: an O_TMPFILE, which has no name to leave behind. Where the file system has
+  // none, a named file, removed the moment it is open; a name already taken (a leftover of a
+  // crashed process of the same pid, in a restarted container) is skipped for the next.
+  int fd = -1, err = 0;
+  if (use_tmpfile) {
+    fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) err = errno;
+  }
+  if (fd < 0 && (!use_tmpfile || err == EOPNOTSUPP || err == EISDIR || err == EINVAL)) {
+    const std::string stem = dir + "/.pykvtier-direct-probe-" + std::to_string(getpid());
+    for (unsigned i = 0; i < 64; ++i) {
+      const std::string path = i == 0 ? stem : stem + "-" + std::to_string(i);
+      fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd >= 0) {
+        ::unlink(path.c_str());  // (if this fails the file is a leftover, swept at start-up)
+        break;
+      }
+      err = errno;
+      if (err != EEXIST) break;
+    }
+  }
+  if (fd < 0) {
+    if (no_room(err)) {
+      probe_by_reading(dir, err, out);
+      return out;
+    }
+    // Not an O_DIRECT question: e.g. the directory does not exist or is not writable.
+    throw_errno(("cannot create a file in " + dir).c_str(), err);
+  }
+  // O_DIRECT on the open file: refused (EINVAL) where the file system cannot take it.
+  if (::fcntl(fd, F_SETFL, O_DIRECT) != 0) {
+    out.reason = std::string("open(O_DIRECT) failed: ") + std::strerror(errno);
+    ::close(fd);
+    return out;
+  }
+  dio_align(fd, out);
+  const int werr = direct_io_once(fd, out, true);
   ::close(fd);
-  ::unlink(path.c_str());
+  if (werr == 0) {
+    out.direct = true;
+    out.reason = "ok";
+  } else if (werr > 0 && no_room(werr)) {
+    probe_by_reading(dir, werr, out);
+  } else {
+    out.reason = std::string("aligned O_DIRECT write failed: ") + (werr < 0 ? "short write" : std::strerror(werr));
+  }
   return out;
 }
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <liburing.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
 
 #include <atomic>
@@ -76,24 +77,42 @@ class Ring {
     uint32_t index = 0;
     uint8_t pending = 0;
     // 0 main chain, 1 rename, 2 cleanup unlink, 3/4 unlink of a duplicate temporary, 5 unlink of
-    // a recycle victim, 6 recycle probe (rename victim -> temporary, statx of the temporary),
-    // 7 rename of a victim that is no reusable block file back to its name
+    // a recycle victim, 6 recycle probe (checks, rename victim -> temporary, statx of the
+    // temporary), 7 rename of a victim that is no reusable block file back to its name,
+    // 8 re-read after a short read, 9 the job's directory fsyncs (its last request's slot)
     uint8_t phase = 0;
     bool reuse = false;  // the main chain overwrites the regular file at path (no O_EXCL)
+    bool open_failed = false;  // the main chain's open failed: nothing reached the destination
+    int flags = 0;             // the main chain's open flags (a re-read opens the same way)
     int32_t recycle_res = 0;  // result of renaming the recycled file to the temporary name
     int32_t stat_res = 0;     // result of the statx of the temporary (phase 6)
+    int32_t check_res[2] = {0, 0};  // failed prep_check opens (0: the victim, 1: temp's directory)
+    int32_t unlink_res = 0;   // phase 5: the victim's unlink
     struct statx stx {};
+    open_how how[2] = {};     // of the opens being submitted (the kernel copies them then)
+    std::string check_dir;    // the temporary's directory (phase 6), live until submitted
     bool merged = false;      // header and payload written by one WRITEV (a new file)
     iovec iov[2] = {};        // its iovecs (live until the request finishes)
     int64_t err = 0;
     int err_stage = 99;
     uint64_t moved = 0;
+    uint64_t hdr_got = 0, data_got = 0;  // reads: header / payload bytes read so far
+    uint64_t reread_pos = 0;  // phase 8: where the re-read starts in its part
+    bool reread_header = false;  // phase 8 re-reads the header (else the payload)
+    uint8_t rereads = 0;
+    std::vector<std::string> sync_dirs;  // phase 9
+    std::vector<int> sync_fds, sync_err;
     char* header = nullptr;
   };
   io_uring_sqe* get_sqe();
   void prep_chain(uint32_t slot);
   void prep_recycle(uint32_t slot);
   void prep_followup(uint32_t slot, uint8_t phase);
+  void prep_open(uint32_t slot, int flags);
+  void prep_check(uint32_t slot, const char* path, int flags, uint32_t sub);
+  void prep_reread(uint32_t slot);
+  bool start_dirsync(uint32_t slot);
+  void release(uint32_t slot, std::vector<Job*>& finished);
   void on_cqe(uint64_t user_data, int32_t res, uint32_t flags, std::vector<Job*>& finished);
   void finish(uint32_t slot, std::vector<Job*>& finished);
   void record_error(Ctx& c, int stage, int64_t err);
@@ -165,7 +184,11 @@ struct DirectProbe {
   std::string reason;
 };
 // Probes whether dir's file system takes O_DIRECT, and its alignment (statx STATX_DIOALIGN
-// where the kernel reports it, else 4096).
-DirectProbe probe_direct(const std::string& dir);
+// where the kernel reports it, else 4096). Leaves no file (an O_TMPFILE; else a named file
+// removed at once, a taken name skipped; use_tmpfile=false: the named one, for tests). On a
+// full file system (ENOSPC, EDQUOT) answers from an O_DIRECT read of an existing file under
+// dir, else direct=false with the reason. Throws std::system_error when no file can be
+// created in dir for another reason.
+DirectProbe probe_direct(const std::string& dir, bool use_tmpfile = true);
 
 }  // namespace pykvtier

@@ -459,8 +459,9 @@ def test_write_block_fsync(direct_root, aligned, engine):
     before = engine.stats()
     assert engine.run("write_block", [(final + ".t", final, size, addr(src), key_digest(b"s"))],
                       fsync=True) == [size]
-    # open, header + data (one WRITEV), fsync, close, then the rename
-    assert delta(engine.stats(), before)["sqes"] == 5
+    # open, header + data (one WRITEV), fsync, close, then the rename; then the directory's fsync
+    d = delta(engine.stats(), before)
+    assert d["sqes"] == 6 and d["dir_fsyncs"] == 1
     assert file_bytes(final)[HEADER_BYTES:] == src.tobytes()
 
 
@@ -540,7 +541,8 @@ def test_run_batch_is_one_submit(direct_root, aligned, op):
         assert e.run(op, entries) == [size] * qd
         d = delta(e.stats(), before)
         assert d["submits"] == 1
-        assert d["sqes"] == qd * (3 if op == "read" else 4)  # open, [header], data, close
+        # open, [statx of the link count, header], data, close
+        assert d["sqes"] == qd * (3 if op == "read" else 5)
         assert d["jobs_submitted"] == d["jobs_finished"] == 1
         assert np.array_equal(src, dst)
     finally:
