@@ -537,7 +537,8 @@ def test_lookup_never_blocks(root, stack, make_tier):
     s.step()
     writing = [key(i, b"writing") for i in range(4)]
     s.offload(w, writing)  # cascade in flight, not collected: RETRY
-    other, arr = make_tier(root)  # another process's tier on the same root writes a block
+    # another process's tier on the same root writes a block (shared too: a root is locked)
+    other, arr = make_tier(tier_config(root, shared=True))
     fill(arr, [key(0, b"other")], [0])
     run(other, job(1, [key(0, b"other")], [0], promotion=False))
 
