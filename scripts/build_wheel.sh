@@ -15,7 +15,7 @@
 #
 # Builds from a snapshot of the work tree (git's tracked and untracked-but-not-ignored files), in
 # its own build folder, never in the repository's build/ (the editable install's). Idempotent:
-# the tool environment and CMake's build folder are kept in $PYKVTIER_WHEEL_WORK (default
+# the tool environment and CMake's build folder are kept in $PYKVTIER_WHEEL_WORK/py<X.Y> (default
 # /tmp/pykvtier-wheel-<uid>) and reused, so a second run recompiles only what changed.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,8 +28,10 @@ mkdir -p "$work" "$out"
 exec 9>"$work/lock"
 flock 9  # one build at a time in this work folder
 
-# 1. Tools, in a venv of their own (python3-venv).
-tools="$work/venv"
+# 1. Tools, in a venv of their own (python3-venv), one per Python version like all that follows.
+pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+wpy="$work/py$pyver"
+tools="$wpy/venv"
 if [ ! -x "$tools/bin/python" ]; then
   log "creating the tool environment $tools"
   "$PY" -m venv "$tools"
@@ -51,23 +53,23 @@ else
 fi
 
 # 3. The wheel (linux_x86_64 tag), then auditwheel's manylinux one.
-raw="$work/raw"
+raw="$wpy/raw"
 rm -rf "$raw"
 mkdir -p "$raw"
 # CMake keeps its cache: a build folder made by another version of this script, another python or
 # other system libraries is started afresh.
 stamp="$(sha256sum "$0" | cut -c1-16) $("$tools/bin/python" -c 'import sys; print(sys.version.split()[0])') \
 $(pkg-config --modversion liburing 2>/dev/null || echo none)"
-if [ "$(cat "$work/build.stamp" 2>/dev/null)" != "$stamp" ]; then
-  rm -rf "$work/build"
-  echo "$stamp" >"$work/build.stamp"
+if [ "$(cat "$wpy/build.stamp" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$wpy/build"
+  echo "$stamp" >"$wpy/build.stamp"
 fi
-log "building (CMake build folder $work/build)"
+log "building (Python $pyver, CMake build folder $wpy/build)"
 (cd "$src" && PATH="$tools/bin:$PATH" "$tools/bin/python" -m pip wheel -q --no-deps \
   --no-build-isolation --disable-pip-version-check -w "$raw" \
-  -Cbuild-dir="$work/build/{wheel_tag}" -Ccmake.define.PYKVTIER_GDS=OFF .)
+  -Cbuild-dir="$wpy/build/{wheel_tag}" -Ccmake.define.PYKVTIER_GDS=OFF .)
 whl=$(ls "$raw"/pykvtier-*.whl)
-fixed="$work/repaired"
+fixed="$wpy/repaired"
 rm -rf "$fixed"
 mkdir -p "$fixed"
 "$tools/bin/auditwheel" show "$whl" >&2
@@ -75,7 +77,7 @@ PATH="$tools/bin:$PATH" "$tools/bin/auditwheel" repair -w "$fixed" "$whl" >&2
 final=$(ls "$fixed"/pykvtier-*.whl)
 # The modules must need no liburing.so / libxxhash.so (liburing.a missing: CMake falls back to
 # the shared library, said in its log).
-unz="$work/unpacked"
+unz="$wpy/unpacked"
 rm -rf "$unz"
 "$tools/bin/python" -m zipfile -e "$final" "$unz"
 for so in "$unz"/pykvtier/*.so; do
