@@ -200,14 +200,14 @@ class BounceEngine(FinishedJobsQueue):
         return True
 
     def submit(self, job_id: int, op: str, entries, direct: bool = True, align: int = 4096,
-               mem_align: int = 0, fsync: bool = False) -> None:
+               mem_align: int = 0, fsync: bool = False, file_mode: int = 0o600) -> None:
         self._submit(job_id, op, list(entries), dict(direct=direct, align=align, mem_align=mem_align,
-                                                     fsync=fsync))
+                                                     fsync=fsync, file_mode=file_mode))
 
     def run(self, op: str, entries, direct: bool = True, align: int = 4096, mem_align: int = 0,
-            fsync: bool = False) -> list[int]:
+            fsync: bool = False, file_mode: int = 0o600) -> list[int]:
         p = self._submit(-1, op, list(entries), dict(direct=direct, align=align, mem_align=mem_align,
-                                                     fsync=fsync), sync=True)
+                                                     fsync=fsync, file_mode=file_mode), sync=True)
         assert p.done_event is not None
         p.done_event.wait()
         return p.results

@@ -781,7 +781,9 @@ def lock_root(root: str | os.PathLike, shared: bool, *, file_mode: int = 0o600) 
         except FileExistsError:
             try:
                 fd = os.open(LOCK_NAME, flags | os.O_RDWR, dir_fd=rfd)
-            except PermissionError:  # another user's root shared on purpose: a read fd locks too
+            except OSError as exc:  # another user's root shared on purpose, a read-only file
+                if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):  # system: a read
+                    raise                                                      # fd locks too
                 fd = os.open(LOCK_NAME, flags | os.O_RDONLY, dir_fd=rfd)
     except OSError as exc:
         raise ValueError(f"root {root}: cannot open its lock file {path} ({exc.strerror})") from exc

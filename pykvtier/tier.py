@@ -181,8 +181,8 @@ _FILE_MODE_ENGINES: dict[type, bool] = {}
 
 
 def _file_mode_kw(engine: Any, file_mode: int) -> dict[str, int]:
-    """{"file_mode": file_mode} for an engine whose submit() takes it, else {} (its files get
-    0o600)."""
+    """{"file_mode": file_mode} for an engine whose submit() takes it (the io_uring and posix
+    engines, the bounce engine), else {} (the GDS path engine: its files get kvikio's mode)."""
     t = type(engine)
     takes = _FILE_MODE_ENGINES.get(t)
     if takes is None:
