@@ -85,13 +85,29 @@ def _buffer_region(obj: Any) -> tuple[int, int, bool, memoryview]:
     return int(arr.ctypes.data), mv.nbytes, bool(mv.readonly), mv
 
 
-def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
+def _row_bytes(obj: Any, is_torch: bool) -> int | None:
+    """Bytes between rows of a multi-dimensional array / memoryview / tensor, else None."""
+    if is_torch:
+        if hasattr(obj, "stride") and callable(obj.stride) and obj.dim() >= 2:
+            return int(obj.stride(0)) * int(obj.element_size())
+        return None
+    strides = getattr(obj, "strides", None)
+    if not strides or len(strides) < 2:
+        return None
+    return int(strides[0])
+
+
+def as_arena(obj: Any, slot_bytes: int | None = None, *,
+             default_slot_bytes: int | None = None) -> Arena:
     """Wraps ``obj`` as an :class:`Arena`.
 
-    ``slot_bytes`` defaults to ``strides[0]`` of a multi-dimensional array/memoryview (vLLM's
-    primary KV view is ``(num_chunks, stride)``), else must be given. An :class:`Arena` is taken
-    as it is. Raises TypeError for an unsupported object, ValueError for non-contiguous memory,
-    a device other than CPU/CUDA, or a size smaller than one slot.
+    A multi-dimensional array/memoryview/tensor has one slot per row: ``slot_bytes`` defaults to
+    its row (``strides[0]``; vLLM's primary KV view is ``(num_chunks, stride)``), and a
+    ``slot_bytes`` longer than a row is an error. A 1-dimensional one takes ``slot_bytes``, else
+    ``default_slot_bytes``. An :class:`Arena` is taken as it is. Raises TypeError for an
+    unsupported object, ValueError for non-contiguous memory, a device other than CPU/CUDA, a
+    1-dimensional arena without a slot size, a row shorter than ``slot_bytes``, or a size
+    smaller than one slot.
     """
     if isinstance(obj, Arena):
         return obj
@@ -105,14 +121,14 @@ def as_arena(obj: Any, slot_bytes: int | None = None) -> Arena:
         addr, nbytes, readonly, export = _buffer_region(obj)
         owner = (obj, export)
     device = str(obj.device) if region is not None else "cpu"
+    row = _row_bytes(obj, region is not None)
     if slot_bytes is None:
-        if region is not None and hasattr(obj, "stride") and callable(obj.stride) and obj.dim() >= 2:
-            slot_bytes = int(obj.stride(0)) * int(obj.element_size())
-        else:
-            strides = getattr(obj, "strides", None)
-            if not strides or len(strides) < 2:
-                raise ValueError("slot_bytes is needed for a 1-dimensional arena")
-            slot_bytes = int(strides[0])
+        slot_bytes = row if row is not None else default_slot_bytes
+        if slot_bytes is None:
+            raise ValueError("slot_bytes is needed for a 1-dimensional arena")
+    elif row is not None and slot_bytes > row:
+        raise ValueError(f"arena rows of {row} bytes are shorter than slot_bytes={slot_bytes}: "
+                         "a multi-dimensional arena has one slot per row")
     if slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
     if nbytes < slot_bytes:

@@ -12,6 +12,8 @@ import enum
 import errno
 import functools
 import logging
+import math
+import numbers
 import operator
 import os
 import stat
@@ -115,10 +117,16 @@ class _Pending:
 
     job: TransferJob
     is_load: bool
+    job_keys: list[bytes]  # the job's keys, taken once at submit (job.keys may be one-shot)
     keys: list[bytes]  # keys handed to the engine, in entry order
     digests: list[bytes]
     done: dict[bytes, str | None]  # keys settled before the engine: None = ok, str = failure
     victims: list[bytes] = field(default_factory=list)  # evicted blocks whose files it reuses
+    entries: list = field(default_factory=list)  # what the engine was given (for a retry)
+    retried: bool = False  # a store whose keys that met a full file system were written again
+    transfer_s: float = 0.0  # summed over its engine jobs
+    submits: int = 0
+    moved_bytes: int = 0
 
 
 _ERR_TEXT = {
@@ -130,6 +138,13 @@ _ERR_TEXT = {
 }
 _CORRUPT = set(_ERR_TEXT)
 _INTERNAL_JOB = 1 << 62  # engine job ids of the tier's own jobs (evictions)
+_MAX_BLOCK_BYTES = getattr(_native, "MAX_REQUEST_BYTES", 1 << 30)  # the engines' per-request limit
+_MAX_INFLIGHT_BYTES = 1 << 48  # a bound the engines' uint64 byte budgets never overflow at
+_NO_SPACE = (-errno.ENOSPC, -errno.EDQUOT)  # a store meeting these evicts and is retried once
+_FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between are counted)
+_LEFTOVER_RETRY_S = 1.0  # removal of leftover files retried at most this often
+_WARN_INTERVAL_S = 5.0  # per-key failures: one aggregated WARNING line at most this often
+_now = time.monotonic  # the clock of the three above
 _open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # this process's tiers not shut down
 
 
@@ -254,7 +269,9 @@ class DiskTier:
         queue_depth: block requests in flight in the engine.
         max_inflight_bytes: payload bytes in flight in the engine.
         probe_ttl_s: how long a probe's "not found" stays a MISS before it is probed again.
-        fsync: fdatasync each block before it is renamed into place.
+        fsync: durable stores: each block file is fdatasync'ed before it is renamed into place,
+            and the directories of a job's renames are fsync'ed (each once) before the job is
+            reported. Turns ``recycle`` off (see there).
         engine: "uring" (io_uring), "posix" (preadv/pwritev thread pool), or "auto": io_uring
             where the kernel allows it, else posix, announced in the log.
         arena: optional arena (see :meth:`set_arena`).
@@ -268,8 +285,11 @@ class DiskTier:
             into place as any store) instead of unlinking it and creating a file: the file
             system allocates and frees no inode or extent (several times less CPU per store
             under eviction churn on ext4). Never with ``shared=True`` (another process may be
-            reading the evicted file) nor for device arenas; blocks evicted for other reasons
-            (start-up over capacity, unreadable files) are unlinked.
+            reading the evicted file), nor with ``fsync=True`` (the victim's rename to the
+            temporary name would need one more directory fsync per store to be durable; without
+            it, after a power loss the victim's old name can come back holding the new block's
+            bytes), nor for device arenas; blocks evicted for other reasons (start-up over
+            capacity, unreadable files) are unlinked. ``self.recycle`` says whether it is on.
         mode: permission bits of the files the tier creates (default 0o600: KV blocks are user
             data); its directories get the matching x bits (0o600 -> 0o700, 0o640 -> 0o750,
             0o660 -> 0o770). Within 0o666, owner read and write set.
@@ -305,19 +325,39 @@ class DiskTier:
         track_removals: bool = False,
         device_path: Any = "auto",
         recycle: bool = True,
+        min_free_bytes: int | None = None,
         mode: int = 0o600,
         quarantine_max_files: int = QUARANTINE_MAX_FILES,
     ) -> None:
-        if not isinstance(block_size_bytes, int) or block_size_bytes <= 0:
-            raise ValueError(f"block_size_bytes must be a positive int, got {block_size_bytes!r}")
+        if not isinstance(root_dir, (str, os.PathLike)):
+            raise TypeError(f"root_dir must be a str or os.PathLike, not {type(root_dir).__name__}")
+        block_size_bytes = _as_int(block_size_bytes, "block_size_bytes")
+        if not 1 <= block_size_bytes <= _MAX_BLOCK_BYTES:
+            raise ValueError(f"block_size_bytes must be a positive int <= {_MAX_BLOCK_BYTES} (the "
+                             f"engines' per-request limit), got {block_size_bytes}")
         if capacity_bytes is not None:
             capacity_bytes = _as_int(capacity_bytes, "capacity_bytes")
+        if min_free_bytes is not None:
+            min_free_bytes = _as_int(min_free_bytes, "min_free_bytes")
+            if min_free_bytes < 0:
+                raise ValueError(f"min_free_bytes must be >= 0, got {min_free_bytes}")
         queue_depth = _as_int(queue_depth, "queue_depth")
         if not 1 <= queue_depth <= 4096:
             raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
         max_inflight_bytes = _as_int(max_inflight_bytes, "max_inflight_bytes")
         if max_inflight_bytes <= 0:
             raise ValueError(f"max_inflight_bytes must be positive, got {max_inflight_bytes}")
+        if max_inflight_bytes > _MAX_INFLIGHT_BYTES:
+            raise ValueError(f"max_inflight_bytes must be at most 2**48 = {_MAX_INFLIGHT_BYTES}, "
+                             f"got {max_inflight_bytes}")
+        if isinstance(probe_ttl_s, bool) or not isinstance(probe_ttl_s, numbers.Real):
+            raise TypeError(f"probe_ttl_s must be a number of seconds, not "
+                            f"{type(probe_ttl_s).__name__}")
+        probe_ttl_s = float(probe_ttl_s)
+        if not probe_ttl_s >= 0:  # (also NaN)
+            raise ValueError(f"probe_ttl_s must be >= 0 seconds, got {probe_ttl_s}")
+        if direct is not None and not isinstance(direct, bool):
+            raise ValueError(f"direct must be None, True or False, got {direct!r}")
         if capacity_bytes is not None and capacity_bytes < block_size_bytes + HEADER_BYTES:
             raise ValueError(
                 f"capacity_bytes={capacity_bytes} cannot hold one block "
@@ -337,7 +377,7 @@ class DiskTier:
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.shared = shared
-        self.recycle = recycle and not shared
+        self.recycle = recycle and not shared and not fsync
         self._recycle_failures_seen = 0
         self.fsync = fsync
         self.probe_ttl_s = probe_ttl_s
@@ -369,16 +409,22 @@ class DiskTier:
         dio = _native.probe_direct(self.layout.blocks_dir)
         self.align = max(4096, int(dio["offset_align"]))
         self.mem_align = max(4096, int(dio["mem_align"]))
+        # Header and payload are each O_DIRECT transfers: both sizes must be aligned.
+        unaligned = next((f"{what}={n} is not a multiple of {self.align}" for what, n in
+                          (("block_size_bytes", block_size_bytes), ("header", HEADER_BYTES))
+                          if n % self.align), None)
         if direct is None:
-            direct = bool(dio["direct"]) and block_size_bytes % self.align == 0
+            direct = bool(dio["direct"]) and unaligned is None
             if not direct:
-                why = dio["reason"] if not dio["direct"] else (
-                    f"block_size_bytes={block_size_bytes} is not a multiple of {self.align}")
+                why = dio["reason"] if not dio["direct"] else unaligned
                 logger.warning("pykvtier: O_DIRECT not used at %s (%s); buffered I/O instead",
                                self.layout.root, why)
                 self._stats["direct_fallbacks"] += 1
         elif direct and not dio["direct"]:
             raise ValueError(f"direct=True but {self.layout.root} refuses O_DIRECT: {dio['reason']}")
+        elif direct and unaligned is not None:
+            raise ValueError(f"direct=True but {unaligned} bytes, the O_DIRECT alignment at "
+                             f"{self.layout.root}")
         self.direct = direct
 
         self._engine = _make_engine(engine, queue_depth, max_inflight_bytes)
@@ -396,6 +442,23 @@ class DiskTier:
         self._probe_misses: dict[bytes, float] = {}  # digest -> time the MISS expires
         self._pending: dict[int, _Pending] = {}  # engine job id -> caller job
         self._evicting: dict[int, list[bytes]] = {}  # engine job id -> digests being removed
+        self._retry_after: dict[int, _Pending] = {}  # eviction's engine job id -> store to retry
+        self._writing = 0  # WRITING blocks
+        self._leftovers: dict[str, bytes | None] = {}  # unremovable file -> digest of its name
+        self._leftover_digests: set[bytes] = set()  # block names among them
+        self._leftover_retry_at = 0.0
+        self._warn_counts: dict[tuple[str, str], list] = {}  # (what, reason) -> [count, a path]
+        self._warn_at = 0.0
+        self._stats.update(dict.fromkeys(("store_retries", "leftovers_removed"), 0))
+        if min_free_bytes is None:  # 5 % of the file system
+            try:
+                st = os.statvfs(self.layout.blocks_dir)
+                min_free_bytes = st.f_blocks * st.f_frsize // 20
+            except OSError:
+                min_free_bytes = 0
+        self.min_free_bytes = min_free_bytes
+        self._fs_free = 0  # estimated free bytes of the root's file system (see _fs_room)
+        self._fs_checked_at = -math.inf
         self._ready: list[JobResult] = []  # results settled without the engine
         self._job_ids: set[int] = set()  # caller job ids in flight
         self._next_engine_job = 1
@@ -500,7 +563,9 @@ class DiskTier:
     def set_arena(self, buffer: Any, slot_bytes: int | None = None) -> Arena:
         """Sets the host arena that jobs' ``slot_ids`` index, and registers it as io_uring fixed
         buffers. ``buffer``: numpy array, buffer-protocol object or CPU torch tensor, writable,
-        page-aligned; ``slot_bytes`` (default ``block_size_bytes``) >= block_size_bytes.
+        page-aligned. ``slot_bytes`` >= block_size_bytes: by default a multi-dimensional
+        arena's row (one slot per row; a row shorter than a block is a ValueError), else
+        ``block_size_bytes``.
         A CUDA tensor makes a device arena: blocks move by the path of ``device_path``
         (:func:`pykvtier.gpu.attach_device_arena`; ``self.device_path`` says which and why).
         Raises ValueError (naming address and alignment) for misaligned or read-only memory.
@@ -510,7 +575,7 @@ class DiskTier:
             raise RuntimeError("DiskTier is shut down")
         if self._pending:
             raise RuntimeError("set_arena() while jobs are in flight")
-        arena = as_arena(buffer, slot_bytes if slot_bytes is not None else self.block_size_bytes)
+        arena = as_arena(buffer, slot_bytes, default_slot_bytes=self.block_size_bytes)
         if arena.readonly:
             raise ValueError("arena is read-only: loads must write into it")
         if arena.slot_bytes < self.block_size_bytes:
@@ -645,7 +710,8 @@ class DiskTier:
 
     # ------------------------------------------------------------------ phase 2
 
-    def _check_job(self, job: TransferJob) -> list[bytes]:
+    def _check_job(self, job: TransferJob) -> tuple[list[bytes], list[int]]:
+        """The job's keys and slot ids, each iterated once (any iterable), checked."""
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
         if self._arena is None:
@@ -657,14 +723,17 @@ class DiskTier:
             raise TypeError(f"job {job_id}: keys must be a sequence of keys (bytes), not one "
                             f"{type(job.keys).__name__}: wrap a single key in a list")
         keys = [_as_key(k) for k in job.keys]
-        if len(keys) != len(job.slot_ids):
-            raise ValueError(f"job {job_id}: {len(keys)} keys but {len(job.slot_ids)} slot_ids")
+        if isinstance(job.slot_ids, (bytes, bytearray, memoryview, str)):
+            raise TypeError(f"job {job_id}: slot_ids must be a sequence of ints, not one "
+                            f"{type(job.slot_ids).__name__}")
+        slots = [_as_int(s, f"job {job_id}: slot id") for s in job.slot_ids]
+        if len(keys) != len(slots):
+            raise ValueError(f"job {job_id}: {len(keys)} keys but {len(slots)} slot_ids")
         n = self._arena.num_slots
-        for s in job.slot_ids:
-            s = _as_int(s, f"job {job_id}: slot id")
+        for s in slots:
             if not 0 <= s < n:
                 raise ValueError(f"job {job_id}: slot {s} outside the arena (0..{n - 1})")
-        return keys
+        return keys, slots
 
     def submit_load(self, job: TransferJob) -> None:
         """Loads ``job.keys`` into their arena slots. Returns at once; the result comes from
@@ -672,15 +741,15 @@ class DiskTier:
         Raises ValueError/TypeError for a malformed job (nothing is submitted then), e.g. two
         keys into one slot (their reads would race, and each block's checksum is verified over
         the bytes in its slot)."""
-        keys = self._check_job(job)
+        keys, slots = self._check_job(job)
         seen_slots: set[int] = set()
-        for s in map(int, job.slot_ids):
+        for s in slots:
             if s in seen_slots:
                 raise ValueError(f"job {job.job_id}: slot {s} given twice; a load needs a slot per key")
             seen_slots.add(s)
-        pend = _Pending(job, True, [], [], {})
+        pend = _Pending(job, True, keys, [], [], {})
         entries = []
-        for key, slot in zip(keys, job.slot_ids):
+        for key, slot in zip(keys, slots):
             digest = key_digest(key)
             e = self._index.get(digest)
             if digest in self._failed:
@@ -701,12 +770,14 @@ class DiskTier:
 
     def submit_store(self, job: TransferJob) -> None:
         """Stores the arena slots of ``job.keys``. Returns at once. Keys already present (or
-        being written) are skipped and count as stored; eviction makes room when
-        ``capacity_bytes`` is set; a key that cannot get room fails (reported per key)."""
-        keys = self._check_job(job)
-        pend = _Pending(job, False, [], [], {})
+        being written) are skipped and count as stored; eviction makes room (see
+        ``capacity_bytes``, ``min_free_bytes``); a key that cannot get room fails (reported per
+        key). A key that meets a full file system (ENOSPC, EDQUOT) evicts as many blocks and is
+        written once more before the job is reported."""
+        keys, slots = self._check_job(job)
+        pend = _Pending(job, False, keys, [], [], {})
         entries = []
-        for key, slot in zip(keys, job.slot_ids):
+        for key, slot in zip(keys, slots):
             digest = key_digest(key)
             e = self._index.get(digest)
             if e is not None:  # (also the second of a key given twice in this job)
@@ -716,11 +787,20 @@ class DiskTier:
                     pend.done[key] = None
                     self._stats["stores_skipped_present"] += 1
                 continue
+            if digest in self._leftover_digests:
+                pend.done[key] = "an earlier file of this block could not be removed yet"
+                continue
             room = self._reserve(recycle=True)
             if room is False:
-                pend.done[key] = "no capacity: every block is in use"
+                pend.done[key] = (
+                    "no capacity: every block is in use"
+                    if self.capacity_bytes is not None
+                    and self._used_bytes + self.file_bytes > self.capacity_bytes
+                    else f"no room: free space at {self.layout.root} is below min_free_bytes="
+                         f"{self.min_free_bytes} and every block is in use")
                 self._stats["capacity_rejections"] += 1
                 continue
+            self._writing += 1
             self._index[digest] = _Entry(_State.WRITING)
             self._failed.discard(digest)
             self._probe_misses.pop(digest, None)
@@ -735,17 +815,22 @@ class DiskTier:
         self._stats["stores_submitted"] += 1
         self._dispatch(pend, "write_block", entries)
 
+    def _submit(self, op: str, entries: list) -> int:
+        """Hands entries to the engine as one job; returns its engine job id."""
+        eid = self._next_engine_job
+        self._next_engine_job += 1
+        self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
+                            mem_align=self.mem_align, fsync=self.fsync,
+                            **_file_mode_kw(self._engine, self.file_mode))
+        return eid
+
     def _dispatch(self, pend: _Pending, op: str, entries: list) -> None:
         job_id = pend.job.job_id
         if not entries:
-            self._ready.append(self._result(pend, [], 0.0, 0))
+            self._ready.append(self._result(pend))
             return
-        eid = self._next_engine_job
-        self._next_engine_job += 1
         try:
-            self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
-                                mem_align=self.mem_align, fsync=self.fsync,
-                                **_file_mode_kw(self._engine, self.file_mode))
+            eid = self._submit(op, entries)
         except Exception:
             for v in pend.victims:  # their files were not touched: blocks again
                 e = self._index.get(v)
@@ -755,27 +840,60 @@ class DiskTier:
                     self._lru.move_to_end(v, last=False)
                     self._used_bytes += self.file_bytes
             pend.victims.clear()
+            pend.retried = True  # (no retry of what never ran)
             self._settle(pend, [-errno.EIO] * len(entries))  # undo the bookkeeping
             raise
+        pend.entries = entries
         self._pending[eid] = pend
         self._job_ids.add(job_id)
 
     def _reserve(self, recycle: bool = False) -> bool | bytes:
-        """Makes room for one block file: True (room), False (capacity exhausted by blocks in
-        use), or, with ``recycle`` where the tier recycles, the digest of the evicted block
-        whose file the new block takes over (its bytes stay counted)."""
-        if self.capacity_bytes is None or self._used_bytes + self.file_bytes <= self.capacity_bytes:
-            self._used_bytes += self.file_bytes
+        """Makes room for one block file: True (room), False (no room: capacity or the file
+        system's free space above ``min_free_bytes`` exhausted by blocks in use), or, with
+        ``recycle`` where the tier recycles, the digest of the evicted block whose file the new
+        block takes over (its bytes stay counted; it needs no new space)."""
+        fb = self.file_bytes
+        cap_need = -1 if self.capacity_bytes is None else (
+            self._used_bytes + fb - self.capacity_bytes)
+        free_need = fb - self._fs_room()  # > 0: this block would eat into min_free_bytes
+        if cap_need <= 0 and free_need <= 0:
+            self._used_bytes += fb
+            self._fs_free -= fb
             return True
+        victim: bytes | None = None
         if recycle and self.recycle and self.device_path is None:
-            for digest in self._take_victims(1):
+            for victim in self._take_victims(1):
                 self._stats["evictions_recycled"] += 1
-                return digest  # REMOVING until the store that reuses its file finished
-        self._evict(self._used_bytes + self.file_bytes - self.capacity_bytes)
-        if self._used_bytes + self.file_bytes <= self.capacity_bytes:
-            self._used_bytes += self.file_bytes
+                cap_need -= fb
+                free_need -= fb
+        need = max(cap_need, free_need)
+        if need > 0:
+            self._evict(need)
+        if victim is not None:
+            return victim  # REMOVING until the store that reuses its file finished
+        if ((self.capacity_bytes is None or self._used_bytes + fb <= self.capacity_bytes)
+                and self._fs_room() >= fb):
+            self._used_bytes += fb
+            self._fs_free -= fb
             return True
         return False
+
+    def _fs_room(self) -> int:
+        """Bytes the root's file system is estimated to have free beyond ``min_free_bytes``:
+        statvfs at most every _FS_CHECK_S (less the writes, plus the unlinks, in flight), and
+        the tier's own stores and evictions since then."""
+        now = _now()
+        if now >= self._fs_checked_at + _FS_CHECK_S:
+            try:
+                st = os.statvfs(self.layout.blocks_dir)
+            except OSError as exc:
+                logger.debug("pykvtier: statvfs(%s): %s", self.layout.blocks_dir, exc)
+            else:
+                unlinking = sum(map(len, self._evicting.values()))
+                self._fs_free = (st.f_bavail * st.f_frsize
+                                 - (self._writing - unlinking) * self.file_bytes)
+            self._fs_checked_at = now
+        return self._fs_free - self.min_free_bytes
 
     def _take_victims(self, n: int) -> list[bytes]:
         """Evicts up to n least recently used blocks not being read: out of the LRU, REMOVING
@@ -795,54 +913,84 @@ class DiskTier:
             self._removed.extend(victims)
         return victims
 
-    def _evict(self, need_bytes: int) -> None:
-        """Removes least recently used blocks not being read until need_bytes are freed.
-        The files are unlinked asynchronously by the engine; their bytes count as used until then
-        is not needed: the name is gone from the index at once and rewrites wait for the unlink."""
+    def _evict(self, need_bytes: int) -> int | None:
+        """Removes least recently used blocks not being read until need_bytes are freed;
+        returns the engine job id of their unlinks (None: nothing to evict). The files are
+        unlinked asynchronously by the engine; their bytes stop counting at once (the names
+        are REMOVING until then: a store of such a key fails meanwhile). A file whose unlink
+        fails is counted again and retried (a leftover)."""
         victims = self._take_victims(-(-need_bytes // self.file_bytes))
-        if victims:
-            self._used_bytes -= len(victims) * self.file_bytes
-            self._unlink_async(victims)
+        if not victims:
+            return None
+        self._used_bytes -= len(victims) * self.file_bytes
+        self._fs_free += len(victims) * self.file_bytes
+        return self._unlink_async(victims)
 
-    def _unlink_async(self, digests: list[bytes]) -> None:
-        """Removes block files through the engine (a store-priority job)."""
+    def _unlink_async(self, digests: list[bytes]) -> int | None:
+        """Removes block files through the engine (a store-priority job); its engine job id."""
         if not digests:
-            return
+            return None
         eid = _INTERNAL_JOB + self._next_engine_job
         self._next_engine_job += 1
         self._engine.submit(eid, "unlink", [self.layout.block_path(d) for d in digests])
         self._evicting[eid] = digests
+        return eid
 
     # ------------------------------------------------------------------ completion
 
     def get_finished_jobs(self) -> list[JobResult]:
-        """Jobs finished since the last call, each exactly once. Never blocks."""
-        out = self._ready
-        self._ready = []
-        for eid, _op, results, submits, _queued, transfer_s in self._engine.poll():
-            if eid in self._evicting:
-                self._finish_eviction(eid, results)
-                continue
-            pend = self._pending.pop(eid)
-            out.append(self._settle(pend, results, transfer_s, submits))
+        """Jobs finished since the last call, each exactly once. Never blocks. Also retries
+        the removal of leftover files (at most every second) and logs the failures counted
+        since the last report (at most one line every few seconds)."""
+        self._collect()
+        out, self._ready = self._ready, []
+        if self._leftovers:
+            self._retry_leftovers()
+        if self._warn_counts:
+            self._flush_warnings()
         if self._probing:
             self._apply_probes()
         return out
 
+    def _collect(self) -> None:
+        """Settles what the engine finished (results into self._ready)."""
+        finished = self._engine.poll()
+        take = getattr(self._engine, "take_leftovers", None)
+        if take is not None:  # before settling: a victim's name stays refused to stores
+            for path in take():
+                self._add_leftover(path)
+        for eid, _op, results, submits, _queued, transfer_s in finished:
+            if eid in self._evicting:
+                self._finish_eviction(eid, results)
+                pend = self._retry_after.pop(eid, None)
+                if pend is not None:
+                    self._resubmit(pend)
+                continue
+            res = self._settle(self._pending.pop(eid), results, transfer_s, submits)
+            if res is not None:
+                self._ready.append(res)
+
     def _finish_eviction(self, eid: int, results: list[int]) -> None:
         for digest, res in zip(self._evicting.pop(eid), results):
-            if res < 0 and res != -errno.ENOENT:
-                self._stats["eviction_failures"] += 1
-                logger.warning("pykvtier: evicting %s failed: %s", self.layout.block_path(digest),
-                               _describe(res))
             e = self._index.get(digest)
             if e is not None and e.state is _State.REMOVING:
                 del self._index[digest]
+            if res < 0 and res != -errno.ENOENT:
+                self._stats["eviction_failures"] += 1
+                path = self.layout.block_path(digest)
+                self._warn("evicted files could not be removed (counted; removal retried)",
+                           _describe(res), path)
+                self._add_leftover(path, digest)
 
     def _settle(self, pend: _Pending, results: list[int], transfer_s: float = 0.0,
-                submits: int = 0) -> JobResult:
-        self._job_ids.discard(pend.job.job_id)
-        for key, digest, res in zip(pend.keys, pend.digests, results):
+                submits: int = 0) -> JobResult | None:
+        """Applies an engine job's results; the caller's result, or None while a store's keys
+        that met a full file system are retried (see _retry_store)."""
+        pend.transfer_s += transfer_s
+        pend.submits += submits
+        pend.moved_bytes += sum(r for r in results if r > 0)
+        no_space: list[tuple[int, int]] = []  # (index in pend.keys, result)
+        for i, (key, digest, res) in enumerate(zip(pend.keys, pend.digests, results)):
             ok = res >= 0
             if pend.is_load:
                 n = self._loading[digest] - 1
@@ -861,35 +1009,77 @@ class DiskTier:
                     self._load_failed(digest, res)
                 if digest in self._failed:
                     self._drop_failed(digest)
+            elif not ok and res in _NO_SPACE and not pend.retried:
+                no_space.append((i, res))  # stays WRITING, its bytes counted
+                continue
+            elif ok:
+                self._writing -= 1
+                self._index[digest].state = _State.PRESENT
+                self._lru[digest] = None
+                self._stats["blocks_stored"] += 1
+                self._stats["bytes_stored"] += res
             else:
-                if ok:
-                    self._index[digest].state = _State.PRESENT
-                    self._lru[digest] = None
-                    self._stats["blocks_stored"] += 1
-                    self._stats["bytes_stored"] += res
-                else:
-                    self._stats["store_failures"] += 1
-                    del self._index[digest]
-                    self._used_bytes -= self.file_bytes
-                    logger.warning("pykvtier: storing %s failed: %s",
-                                   self.layout.block_path(digest), _describe(res))
+                self._store_failed(digest, res)
             pend.done[key] = None if ok else _describe(res)
         for v in pend.victims:  # renamed away and reused, or removed by the engine
             e = self._index.get(v)
             if e is not None and e.state is _State.REMOVING:
                 del self._index[v]
         if pend.victims:
+            pend.victims = []
             failures = self._engine.stats().get("recycle_failures", 0)
             if failures > self._recycle_failures_seen:
-                logger.warning("pykvtier: %d evicted block file(s) under %s could be neither "
-                               "reused nor removed (they stay on disk, outside the index)",
-                               failures - self._recycle_failures_seen, self.layout.blocks_dir)
+                for _ in range(failures - self._recycle_failures_seen):
+                    self._warn("evicted files could be neither reused nor removed",
+                               "recycling failed", self.layout.blocks_dir)
                 self._recycle_failures_seen = failures
-        return self._result(pend, results, transfer_s, submits)
+        if no_space and self._retry_store(pend, no_space):
+            return None
+        return self._result(pend)
 
-    def _result(self, pend: _Pending, results: list[int], transfer_s: float, submits: int) -> JobResult:
+    def _store_failed(self, digest: bytes, res: int) -> None:
+        self._writing -= 1
+        self._stats["store_failures"] += 1
+        del self._index[digest]
+        self._used_bytes -= self.file_bytes
+        self._fs_free += self.file_bytes
+        self._warn("stores failed", _describe(res), self.layout.block_path(digest))
+
+    def _retry_store(self, pend: _Pending, no_space: list[tuple[int, int]]) -> bool:
+        """Keys of a store that met a full file system (ENOSPC, EDQUOT): evicts as many least
+        recently used blocks and writes the keys again (once) when their unlinks finished; the
+        caller's job is reported after that. False (the keys failed) when nothing can be
+        evicted."""
+        self._fs_checked_at = -math.inf  # free space is not what it was estimated to be
+        eid = self._evict(len(no_space) * self.file_bytes)
+        if eid is None:
+            for i, res in no_space:
+                self._store_failed(pend.digests[i], res)
+                pend.done[pend.keys[i]] = _describe(res)
+            return False
+        pend.retried = True
+        pend.keys = [pend.keys[i] for i, _ in no_space]
+        pend.digests = [pend.digests[i] for i, _ in no_space]
+        # A new temporary name each (the failed one may be a leftover), no file to recycle.
+        pend.entries = [(self.layout.tmp_path(d),) + tuple(pend.entries[i][1:5])
+                        for (i, _), d in zip(no_space, pend.digests)]
+        self._stats["store_retries"] += len(no_space)
+        self._retry_after[eid] = pend
+        return True
+
+    def _resubmit(self, pend: _Pending) -> None:
+        """Writes a store's retried keys (see _retry_store) once the evictions made room."""
+        try:
+            eid = self._submit("write_block", pend.entries)
+        except Exception as exc:  # the engine took these entries once: not expected
+            logger.error("pykvtier: resubmitting a store failed: %s", exc)
+            self._ready.append(self._settle(pend, [-errno.EIO] * len(pend.entries)))
+            return
+        self._pending[eid] = pend
+
+    def _result(self, pend: _Pending) -> JobResult:
         self._job_ids.discard(pend.job.job_id)
-        keys = [_as_key(k) for k in pend.job.keys]
+        keys = pend.job_keys
         failed = {k: pend.done[k] for k in keys if pend.done.get(k) is not None}
         ok_keys = [k for k in keys if k not in failed]
         success = not failed
@@ -897,12 +1087,85 @@ class DiskTier:
             job_id=pend.job.job_id,
             success=success,
             successful_keys=None if success or not ok_keys else ok_keys,
-            transfer_time=transfer_s,
-            transfer_bytes=sum(r for r in results if r > 0),
+            transfer_time=pend.transfer_s,
+            transfer_bytes=pend.moved_bytes,
             is_load=pend.is_load,
             failed_keys=failed,
-            submits=submits,
+            submits=pend.submits,
         )
+
+    # ------------------------------------------------------------------ leftovers, warnings
+
+    def _add_leftover(self, path: str, digest: bytes | None = None) -> None:
+        """A file the tier or its engine could not remove: counted in used_bytes (a whole
+        block file) until _retry_leftovers removed it; a block name among them is refused to
+        stores meanwhile (the retry would remove the new block)."""
+        if path in self._leftovers:
+            return
+        if digest is None:
+            digest = Layout.digest_from_name(os.path.basename(path))  # None: a temporary
+        self._leftovers[path] = digest
+        if digest is not None:
+            self._leftover_digests.add(digest)
+        self._used_bytes += self.file_bytes
+
+    def _forget_leftover(self, path: str) -> None:
+        digest = self._leftovers.pop(path)
+        if digest is not None:
+            self._leftover_digests.discard(digest)
+        self._used_bytes -= self.file_bytes
+
+    def _retry_leftovers(self) -> None:
+        """Unlinks leftover files again, at most every _LEFTOVER_RETRY_S, through the real
+        fan-out directory (no link followed); a name the index holds again is left alone."""
+        now = _now()
+        if now < self._leftover_retry_at:
+            return
+        self._leftover_retry_at = now + _LEFTOVER_RETRY_S
+        for path, digest in list(self._leftovers.items()):
+            fanout, name = os.path.split(path)
+            blocks, sub = os.path.split(fanout)
+            if (digest is not None and digest in self._index) or blocks != self.layout.blocks_dir:
+                self._forget_leftover(path)  # a block again (counted by the index), or not ours
+                continue
+            try:
+                dfd = self.layout.open_dir("blocks", sub)
+                try:
+                    try:
+                        os.unlink(name, dir_fd=dfd)
+                    except IsADirectoryError:  # a directory at a block name: no block file
+                        self._quarantine_entry(dfd, sub, name)
+                        os.stat(name, dir_fd=dfd, follow_symlinks=False)  # not moved?
+                        continue
+                finally:
+                    os.close(dfd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue  # still there: next time
+            self._forget_leftover(path)
+            self._stats["leftovers_removed"] += 1
+
+    def _warn(self, what: str, reason: str, example: str) -> None:
+        """Counts a failure for the aggregated warning (see _flush_warnings)."""
+        seen = self._warn_counts.get((what, reason))
+        if seen is None:
+            self._warn_counts[(what, reason)] = [1, example]
+        else:
+            seen[0] += 1
+        self._flush_warnings()
+
+    def _flush_warnings(self, force: bool = False) -> None:
+        """Logs the failures counted since the last line, per reason, in one WARNING line: at
+        once for the first, then at most every _WARN_INTERVAL_S (``force``: now)."""
+        now = _now()
+        if not self._warn_counts or (now < self._warn_at and not force):
+            return
+        self._warn_at = now + _WARN_INTERVAL_S
+        parts = [f"{n} {what} ({reason}; e.g. {example})"
+                 for (what, reason), (n, example) in self._warn_counts.items()]
+        self._warn_counts.clear()
+        logger.warning("pykvtier: %s: %s", self.layout.root, "; ".join(parts))
 
     def _load_failed(self, digest: bytes, res: int) -> None:
         """A load failed: the key is a MISS from now on; a corrupt file is quarantined."""
@@ -913,9 +1176,9 @@ class DiskTier:
         if res in _CORRUPT:
             self._stats["verify_failures"] += 1
             self._quarantine(path, digest)
-            logger.warning("pykvtier: %s failed verification (%s); quarantined", path, _describe(res))
+            self._warn("blocks failed verification (quarantined)", _describe(res), path)
         else:
-            logger.warning("pykvtier: loading %s failed: %s", path, _describe(res))
+            self._warn("loads failed", _describe(res), path)
             e = self._index.get(digest)
             if res != -errno.ENOENT and e is not None and e.state is _State.PRESENT and not e.readers:
                 # The file is still there but unreadable: remove it (bytes freed at once).
@@ -987,6 +1250,9 @@ class DiskTier:
         """Blocks until every submitted job and eviction finished (results stay available to
         :meth:`get_finished_jobs`) and in-flight probes were applied. Never aborts I/O."""
         self._engine.drain()
+        while self._retry_after:  # stores waiting on their evictions: resubmit, wait again
+            self._collect()
+            self._engine.drain()
         if self._probe is not None and self._probing:
             self._apply_probes(self._probe.wait())
 
@@ -997,6 +1263,10 @@ class DiskTier:
         if self._closed:
             return
         self.drain()
+        if self._leftovers:  # a last try (the next start sweeps stale temporaries)
+            self._leftover_retry_at = 0.0
+            self._retry_leftovers()
+        self._flush_warnings(force=True)
         self._closed = True
         _open_tiers.discard(self)
         try:
@@ -1050,6 +1320,7 @@ class DiskTier:
         s["files_recycled"] = eng.get("recycled", 0)
         s["recycle_failures"] = eng.get("recycle_failures", 0)
         s["used_bytes"] = self._used_bytes
+        s["leftover_files"] = len(self._leftovers)
         s["blocks_present"] = len(self._lru)
         s["direct"] = int(self.direct)
         s["quarantine_files"] = self._quarantine_box.files
