@@ -70,29 +70,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``pykvtier`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    run = getattr(args, "_run", None)
-    if run is None:
-        parser.print_help(sys.stderr)
-        return 2
-    # SIGTERM (kill, timeout, a CI runner's cancel) unwinds as Ctrl-C does: in-flight I/O is
-    # drained and temporaries (e.g. replay's temporary root) are removed on the way out.
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminated)
+    """Entry point of the ``pykvtier`` console script (``argv`` None: ``sys.argv[1:]``).
+
+    SIGINT (Ctrl-C) and SIGTERM (kill, timeout, a CI runner's cancel) stop a command the same
+    way: it unwinds (in-flight I/O drained, temporaries such as replay's temporary root
+    removed), then one line on stderr and exit 128 + the signal (130, 143). Once that line is
+    being written, further signals are dropped: until main() returns, or, as the console
+    script (``argv`` None), until the process exits.
+    """
+    stop = _Stop()
     try:
+        stop.install()
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        run = getattr(args, "_run", None)
+        if run is None:
+            parser.print_help(sys.stderr)
+            return 2
         return int(run(args) or 0)
-    except KeyboardInterrupt:
-        print("pykvtier: interrupted", file=sys.stderr)
-        return 130
-    except _Terminated:
-        print("pykvtier: terminated (SIGTERM)", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except (KeyboardInterrupt, _Terminated) as exc:
+        stop.reporting = True  # first (a plain store: no signal handler runs before it)
+        signum = stop.first or (signal.SIGINT if isinstance(exc, KeyboardInterrupt)
+                                else signal.SIGTERM)
+        print(_NOTICES[signum], file=sys.stderr)
+        return 128 + signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if argv is not None or not stop.reporting:
+            stop.uninstall()
+
+
+_NOTICES = {signal.SIGINT: "pykvtier: interrupted", signal.SIGTERM: "pykvtier: terminated (SIGTERM)"}
 
 
 class _Terminated(BaseException):
@@ -100,8 +107,40 @@ class _Terminated(BaseException):
     Exception do not swallow it)."""
 
 
-def _terminated(signum: int, frame: Any) -> None:
-    raise _Terminated()
+class _Stop:
+    """main()'s SIGINT/SIGTERM handler (main thread only; a signal ignored when main() starts,
+    e.g. SIGINT of a background job, stays ignored): raises KeyboardInterrupt / _Terminated
+    for each signal until main() reports the stop, then drops them. ``first``: the signal
+    reported (the first one, whatever a later one raised while the command unwound)."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.reporting = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _NOTICES:
+            previous = signal.getsignal(signum)
+            if previous is None or previous == signal.SIG_IGN:
+                continue  # installed outside Python, or ignored: left as it is
+            self._previous[signum] = previous
+            signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.reporting:
+            return
+        if self.first is None:
+            self.first = signum
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise _Terminated()
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ import os
 import re
 import resource
 import shutil
+import signal
 import struct
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -416,6 +418,106 @@ def _allocate_arena(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     return mm, arr
 
 
+class _DefaultAction(BaseException):
+    """A signal whose action was the default (terminate) stopped the replay: raised to unwind
+    it, and the signal is sent again with that action once the clean-up is done."""
+
+
+class _SignalGuard:
+    """SIGINT and SIGTERM during one replay (main thread; elsewhere it does nothing).
+
+    A signal is handed at once to the handler the caller had (Ctrl-C raises KeyboardInterrupt,
+    ``pykvtier replay`` raises its SIGTERM exception), except while ``hold`` is set (creating
+    the temporary root, the clean-up): then it is kept, and delivered by :meth:`check` or
+    :meth:`release`. Once one was delivered, later ones are dropped: a second Ctrl-C never
+    aborts the clean-up. Setting ``hold`` is a plain attribute store, during which CPython runs
+    no signal handler, so the first statement of a ``finally`` can set it.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.pending: int | None = None  # a signal not yet delivered
+        self.delivered: int | None = None  # the signal whose exception unwinds the replay
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python runs signal handlers in the main thread only
+        for signum in self.SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is None or previous == signal.SIG_IGN:
+                continue  # a handler installed outside Python, or an ignored signal: left alone
+            self._previous[signum] = previous
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.pending is None and self.delivered is None:
+            self.pending = signum
+        if not self.hold and self.delivered is None:
+            self._deliver(frame)
+
+    def _deliver(self, frame: Any = None) -> None:
+        signum, self.pending = self.pending, None
+        if signum is None:
+            return
+        self.delivered = signum
+        handler = self._previous.get(signum, signal.SIG_DFL)
+        if not callable(handler):
+            raise _DefaultAction(signum)
+        handler(signum, frame)  # raises, as a rule
+        self.delivered = None  # the caller's handler chose to carry on: so does the replay
+
+    def check(self) -> None:
+        """Delivers a signal kept while ``hold`` was set, or again one whose exception did not
+        stop the replay (raised inside a ``__del__`` or a callback, where Python drops it)."""
+        if self.delivered is not None:
+            self.pending, self.delivered = self.delivered, None
+        if self.pending is not None and not self.hold:
+            self._deliver()
+
+    def release(self, unwinding: bool) -> None:
+        """End of the replay (``hold`` set; ``unwinding``: an exception propagates): the
+        caller's handlers back, then the signal is sent again to the process if one came and
+        its exception is not what unwinds the replay (it came during the clean-up, or its
+        exception was dropped), or if its action is the default (the process ends with it)."""
+        previous, self._previous = self._previous, {}
+        try:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        finally:
+            again = self.pending
+            if self.delivered is not None:
+                default = not callable(previous.get(self.delivered))
+                again = self.delivered if default or not unwinding else None
+            self.pending = self.delivered = None
+            if again is not None and again in previous:
+                signal.raise_signal(again)  # runs the restored handler now (or its default)
+
+
+def _remove_tree(path: str) -> bool:
+    """Removes the directory tree at ``path`` (links are removed, never followed). True when
+    nothing is left there (a path already gone counts); else says why on stderr, naming it."""
+    failures: list[str] = []
+
+    def failed(func: Any, name: str, exc: Any) -> None:
+        exc = exc[1] if isinstance(exc, tuple) else exc
+        if not isinstance(exc, FileNotFoundError):
+            failures.append(f"{name}: {getattr(exc, 'strerror', None) or exc}")
+
+    for _ in range(2):  # a second pass for what the first could not remove
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=failed)
+        else:
+            shutil.rmtree(path, onerror=failed)
+        if not os.path.lexists(path):
+            return True
+    print(f"pykvtier replay: could not remove the temporary root {path}: "
+          f"{failures[0] if failures else 'it is still there'}", file=sys.stderr)
+    return False
+
+
 def _rusage_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -438,6 +540,13 @@ def run_replay(
 
     ``tier_factory(root, block_size_bytes, capacity_bytes, engine)`` makes the tier
     (default: :class:`pykvtier.DiskTier`).
+
+    Without ``config.root`` the blocks go to a temporary directory, removed when the replay
+    ends, however it ends: an error, or SIGINT/SIGTERM at any point (called from the main
+    thread). A signal raises what the caller's handler raises (KeyboardInterrupt for Ctrl-C);
+    one whose action is the default ends the process with it once the clean-up is done. The
+    clean-up (tier shutdown: in-flight I/O finishes; arena; removal) is not interrupted by
+    further signals; one arriving during it is delivered after it.
     """
     from . import LookupResult, TransferJob
 
@@ -472,14 +581,20 @@ def run_replay(
             os.makedirs(root, exist_ok=True)
         except OSError as exc:
             raise ReplayConfigError(f"cannot open the tier at {root}: {exc.strerror}") from exc
-    else:
-        root = tempfile.mkdtemp(prefix="pykvtier-replay-")
 
     factory = tier_factory or (lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle))
     mm = None
     tier = None
+    temp_root = None  # the temporary root, once it exists: removed by the clean-up below
     root_removed = False
+    guard = _SignalGuard()
     try:
+        guard.install()
+        if not root_given:
+            guard.hold = True  # the directory exists only once its path is recorded
+            root = temp_root = tempfile.mkdtemp(prefix="pykvtier-replay-")
+            guard.hold = False
+            guard.check()
         mm, arena = _allocate_arena(nslots * bs)
         arena64 = arena.view(np.uint64)
         try:
@@ -590,6 +705,7 @@ def run_replay(
                 handle(tier.get_finished_jobs())
 
         def wait_some(timeout: float = 0.05) -> None:
+            guard.check()
             results = tier.wait(timeout_s=timeout)
             if results:
                 handle(results)
@@ -634,6 +750,7 @@ def run_replay(
         t_start = time.perf_counter()
         try:
             for req in requests:
+                guard.check()
                 t0 = time.thread_time()
                 keys = [block_key(h, s, bs) for h in req.hash_ids for s in range(spb)]
                 harness_cpu += time.thread_time() - t0
@@ -754,20 +871,28 @@ def run_replay(
             tier_stats={k: jsonable(v) for k, v in stats.items()},
         )
     finally:
+        guard.hold = True  # first (a plain store: no signal handler runs before it)
+        unwinding = sys.exc_info()[1] is not None
+        errors: list[BaseException] = []
         if tier is not None:
             try:
-                tier.shutdown()
-            finally:
-                tier = None
+                tier.shutdown()  # in-flight I/O finishes: nothing writes under the root after it
+            except Exception as exc:  # noqa: BLE001 - the root is removed all the same
+                errors.append(exc)
+            tier = None
         if mm is not None:
             arena = arena64 = None  # noqa: F841 - drop our views so the mapping can close
             try:
                 mm.close()
             except BufferError:
                 pass  # something still holds a view (the tier); the GC unmaps it later
-        if not root_given:
-            shutil.rmtree(root, ignore_errors=True)
-            root_removed = True
+        if temp_root is not None:
+            root_removed = _remove_tree(temp_root)
+        guard.release(unwinding)  # raises for a signal that came during the clean-up
+        if errors:
+            if not unwinding:
+                raise errors[0]
+            print(f"pykvtier replay: shutting the tier down failed: {errors[0]!r}", file=sys.stderr)
     summary.root_removed = root_removed
     return summary
 

@@ -6,9 +6,11 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -318,8 +320,9 @@ def test_progress_ends_on_the_summary_counts(root, monkeypatch, with_tqdm):
     assert f"stored      {format_bytes(s.bytes_stored)} in" in text
 
 
-def test_sigterm_unwinds_and_removes_the_temporary_root(tmp_path):
-    """kill / timeout / a CI cancel: the replay stops as on Ctrl-C, its temporary root removed."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_unwinds_and_removes_the_temporary_root(tmp_path, signum):
+    """kill / timeout / a CI cancel / Ctrl-C: the replay stops, its temporary root removed."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-P", "-m", "pykvtier.cli", "replay", "--no-progress",
                              "--model", "tiny", "--max-requests", "all"],
@@ -331,11 +334,308 @@ def test_sigterm_unwinds_and_removes_the_temporary_root(tmp_path):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the replay never created its root"
             time.sleep(0.05)  # polling for the root to appear (not a synchronization by time)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "pykvtier: terminated (SIGTERM)" in err
+    assert proc.returncode == 128 + signum, err
+    assert err.splitlines()[-1] == _NOTICE[signum], err
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------
+# signals at every point of a run: the clean-up holds (item 14)
+#
+# Points are events of the interpreter's profiler (sys.setprofile: every Python and C call and
+# return in the main thread), counted from an anchor (the first call of a named function after
+# the previous signal): deterministic places in the code, not moments in time.
+
+_NOTICE = {signal.SIGTERM: "pykvtier: terminated (SIGTERM)", signal.SIGINT: "pykvtier: interrupted"}
+
+
+def _event_name(frame, event, arg) -> str | None:
+    if event == "call":
+        return f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}"
+    if event == "c_call":
+        return getattr(arg, "__qualname__", None)
+    return None
+
+
+class SignalAt:
+    """Profile function: ``shots`` = [(anchor, nth, offset, signum), ...]; shot i counts events
+    from the ``nth`` call (1 = first) of ``anchor`` (``module.qualname``, or a C function's
+    qualname) after shot i-1 fired and, at its ``offset``-th event, raises ``signum`` in this
+    thread (``kill=True``: to the process, as ``kill`` does, any thread may take it). With no
+    shots it measures: ``start[a]``, ``extent[a]`` = event index of the first call of each
+    anchor of ``measure`` and how many events that call spans."""
+
+    def __init__(self, shots=(), measure=(), kill=False):
+        self.shots = list(shots)
+        self.fired: list[tuple] = []
+        self.where: list[str] = []  # the event each shot fired at
+        self.kill = kill
+        self.measure = set(measure)
+        self.start: dict[str, int] = {}
+        self.extent: dict[str, int] = {}
+        self._open: dict[object, str] = {}  # frame (or C function) -> anchor
+        self.n = 0
+        self._calls = 0
+        self._from: int | None = None
+
+    def __call__(self, frame, event, arg):
+        self.n += 1
+        name = _event_name(frame, event, arg)
+        if self.measure:
+            if name in self.measure and name not in self.start:
+                self.start[name] = self.n
+                self._open[frame if event == "call" else arg] = name
+            elif event in ("return", "c_return", "c_exception"):
+                hit = self._open.pop(frame if event == "return" else arg, None)
+                if hit is not None:
+                    self.extent[hit] = self.n - self.start[hit]
+        if not self.shots:
+            return
+        anchor, nth, offset, signum = self.shots[0]
+        if self._from is None:
+            if name != anchor:
+                return
+            self._calls += 1
+            if self._calls < nth:
+                return
+            self._from = self.n
+        if self.n - self._from < offset:
+            return
+        handler = signal.getsignal(signum)
+        if not callable(handler) and not self.kill:
+            return  # SIGTERM's default action would end pytest (never expected here)
+        self.shots.pop(0)
+        self._from = None
+        self._calls = 0
+        self.fired.append((anchor, nth, offset, signum))
+        self.where.append(f"{event} {name or ''} in {frame.f_code.co_qualname}:{frame.f_lineno}")
+        if not self.shots and not self.measure:
+            sys.setprofile(None)
+        if self.kill:
+            os.kill(os.getpid(), signum)
+        else:
+            signal.raise_signal(signum)
+
+    def _trace(self, frame, event, arg):
+        # A handler that raises inside the profile function unsets it (CPython's rule for an
+        # exception there): put it back at the next Python call while shots remain.
+        if (self.shots or self.measure) and sys.getprofile() is None:
+            sys.setprofile(self)
+
+    def install(self) -> None:
+        sys.setprofile(self)
+        if len(self.shots) > 1 or (self.shots and self.measure):
+            sys.settrace(self._trace)
+
+    def uninstall(self) -> None:
+        sys.setprofile(None)
+        sys.settrace(None)
+
+
+def _trace_file(path) -> str:
+    with open(path, "w") as f:
+        for ids, _ in HANDMADE:
+            f.write(json.dumps({"timestamp": 0, "input_length": 512 * len(ids), "output_length": 1,
+                                "hash_ids": ids}) + "\n")
+    return str(path)
+
+
+def _replay_argv(trace: str) -> list[str]:
+    return ["replay", trace, "--model", "tiny", "--tokens-per-block", str(TINY_TPB),
+            "--capacity", "none", "--max-requests", "all", "--no-progress", "--json"]
+
+
+# Where signals go: the set-up (temporary root, arena and its prefault, the tier), the run, its
+# end (drain), the clean-up (tier shutdown, the removal), and the report after it.
+_SETUP = ("pykvtier.replay.run_replay", "tempfile.mkdtemp", "pykvtier.replay._allocate_arena",
+          "mmap.madvise", "pykvtier.tier.DiskTier.__init__", "pykvtier.tier.DiskTier.set_arena")
+_CLEANUP = ("pykvtier.tier.DiskTier.shutdown", "shutil.rmtree")
+_LATER = ("pykvtier.tier.DiskTier.submit_store", "pykvtier.tier.DiskTier.submit_load",
+          "pykvtier.tier.DiskTier.drain", "pykvtier.tier.DiskTier.shutdown", "shutil.rmtree",
+          "pykvtier.replay.ReplaySummary.to_dict")
+
+
+def _offsets(extent: int, limit: int) -> list[int]:
+    """Every event of a span when it has few, else ``limit`` spread over it; and the first
+    event after it."""
+    if extent + 2 <= limit:
+        return list(range(extent + 2))
+    return sorted({round(i * extent / (limit - 2)) for i in range(limit - 1)} | {extent + 1})
+
+
+@pytest.fixture
+def fast_tmpdir(tmp_path):
+    """An empty TMPDIR on tmpfs where there is one (a tier's start makes 258 directories)."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    d = tempfile.mkdtemp(prefix="pykvtier-test-", dir=base)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _stopped_run(argv, shots, tmpdir, capsys, monkeypatch, hook=None):
+    """cli.main(argv) in this process with the shots; (rc, stderr, what fired, left behind)."""
+    monkeypatch.setattr(tempfile, "tempdir", tmpdir)
+    capsys.readouterr()
+    hook = hook or SignalAt(shots)
+    hook.install()
+    try:
+        rc = cli.main(argv)
+    except (Exception, KeyboardInterrupt, cli._Terminated) as exc:  # escaped main(): a failure
+        rc = f"{type(exc).__name__} raised: {exc}"
+    finally:
+        hook.uninstall()
+    err = capsys.readouterr().err
+    return rc, err, hook, sorted(os.listdir(tmpdir))
+
+
+def _signal_plans(extent, start, unwinding):
+    """Shots: one signal at each point (SIGTERM and SIGINT in turn), and more (``unwinding``:
+    the extents of the clean-up's calls when a signal stopped the replay at its first store)."""
+    term, intr = signal.SIGTERM, signal.SIGINT
+    plans = []
+    n = 0
+
+    def one(anchor, nth, offset):
+        nonlocal n
+        plans.append([(anchor, nth, offset, (term, intr)[n % 2])])
+        n += 1
+
+    # the set-up, event by event where it is short: nothing runs in the background yet, so the
+    # events from run_replay's start to the end of set_arena are the same in every run
+    setup = start["pykvtier.tier.DiskTier.set_arena"] + extent["pykvtier.tier.DiskTier.set_arena"] \
+        - start["pykvtier.replay.run_replay"]
+    for off in _offsets(setup, 60):
+        one("pykvtier.replay.run_replay", 1, off)
+    for anchor in _SETUP[1:] + _LATER:
+        for off in _offsets(extent[anchor], 24):
+            one(anchor, 1, off)
+    # the run: at each request's first key, and a few events later
+    for nth in range(1, 65, 4):
+        for off in (0, 9):
+            one("pykvtier.replay.block_key", nth, off)
+    # a second signal (the other one) while the first unwinds the replay: in the tier's
+    # shutdown, in the removal of the root, in the notice itself
+    for anchor in _CLEANUP:
+        for j, off in enumerate(_offsets(unwinding[anchor], 8)):
+            a, b = (term, intr) if j % 2 else (intr, term)
+            plans.append([("pykvtier.tier.DiskTier.submit_store", 1, 0, a), (anchor, 1, off, b)])
+    for a, b in ((term, intr), (intr, term)):
+        plans.append([("pykvtier.tier.DiskTier.submit_load", 1, 0, a), ("print", 1, 0, b)])
+        plans.append([("pykvtier.tier.DiskTier.drain", 1, 0, a), ("print", 1, 0, b)])
+        plans.append([("pykvtier.tier.DiskTier.drain", 1, 0, a), ("print", 1, 0, b),
+                      ("pykvtier.cli._Stop.uninstall", 1, 0, a)])
+    return plans
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="anchors are qualified names (co_qualname)")
+def test_signal_at_every_point_removes_the_temporary_root(tmp_path, fast_tmpdir, capsys,
+                                                          monkeypatch):
+    """SIGTERM or SIGINT at each of ~270 points of a replay: before and during the creation of
+    the temporary root, the arena's prefault, the tier's start, the run, its drain, the tier's
+    shutdown, the root's removal and the report; alone or with more signals during the
+    clean-up or the notice. Each time: exit 128 + the first signal, its one-line notice, and
+    nothing left in TMPDIR."""
+    trace = _trace_file(tmp_path / "t.jsonl")
+    argv = _replay_argv(trace)
+
+    # measure where the anchors are and how many events their calls span (no signal), after
+    # a first run that did the imports
+    monkeypatch.setattr(tempfile, "tempdir", fast_tmpdir)
+    assert cli.main(argv) == 0
+    probe = SignalAt(measure=_SETUP + _LATER)
+    sys.setprofile(probe)
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        sys.setprofile(None)
+    capsys.readouterr()
+    assert os.listdir(fast_tmpdir) == []
+    assert set(probe.extent) == set(_SETUP + _LATER), sorted(set(_SETUP + _LATER) - set(probe.extent))
+
+    # the same for the clean-up when a signal stopped the replay at its first store
+    unwinding = SignalAt([("pykvtier.tier.DiskTier.submit_store", 1, 0, signal.SIGTERM)],
+                         measure=_CLEANUP)
+    assert _stopped_run(argv, None, fast_tmpdir, capsys, monkeypatch, unwinding)[0] == 143
+    assert set(unwinding.extent) == set(_CLEANUP)
+
+    plans = _signal_plans(probe.extent, probe.start, unwinding.extent)
+    failures = []
+    for shots in plans:
+        rc, err, hook, left = _stopped_run(argv, shots, fast_tmpdir, capsys, monkeypatch)
+        first = shots[0][3]
+        ok = (hook.fired == shots and rc == 128 + first and left == []
+              and err.splitlines().count(_NOTICE[first]) == 1
+              and err.rstrip().endswith(_NOTICE[first]) and "Traceback" not in err)
+        if not ok:
+            failures.append(f"{shots}: fired at {hook.where}, rc {rc}, left {left}, "
+                            f"stderr {err[-300:]!r}")
+        for name in left:  # the next point starts from an empty TMPDIR
+            shutil.rmtree(os.path.join(fast_tmpdir, name))
+    assert len(plans) >= 250
+    assert not failures, f"{len(failures)} of {len(plans)} points:\n" + "\n".join(failures[:10])
+
+
+_CHILD = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from test_replay import SignalAt
+hook = SignalAt({shots!r}, kill=True)
+hook.install()
+{body}
+"""
+
+
+def _child(tmp_path, shots, body):
+    """A fresh interpreter that runs ``body`` with the shots sent by kill(2) to itself (any of
+    its threads may take them: the engine's, numpy's); TMPDIR is tmp_path/tmp."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    code = _CHILD.format(tests=os.path.dirname(__file__), shots=shots, body=body)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "TMPDIR": str(tmpdir)},
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    return proc, sorted(os.listdir(tmpdir))
+
+
+_TERM, _INT = int(signal.SIGTERM), int(signal.SIGINT)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="anchors are qualified names (co_qualname)")
+@pytest.mark.parametrize("shots", [
+    [("pykvtier.replay._allocate_arena", 1, 0, _TERM)],  # the root exists, the arena does not
+    [("shutil.rmtree", 1, 300, _INT)],  # in the removal at the end of a run
+    [("pykvtier.tier.DiskTier.submit_store", 1, 0, _TERM), ("shutil.rmtree", 1, 100, _INT)],
+    [("pykvtier.tier.DiskTier.submit_load", 1, 0, _INT), ("pykvtier.tier.DiskTier.shutdown", 1, 1, _TERM),
+     ("print", 1, 0, _INT)],
+], ids=["term-before-arena", "int-in-removal", "term-then-int-in-removal",
+        "int-then-term-in-shutdown-and-int-in-notice"])
+def test_console_script_signalled_from_outside(tmp_path, shots):
+    """``pykvtier replay`` as a process, signals sent with kill(2): exit status 128 + the first,
+    its notice as the last line of stderr, no traceback, TMPDIR empty."""
+    trace = _trace_file(tmp_path / "t.jsonl")
+    proc, left = _child(tmp_path, shots, f"sys.argv = ['pykvtier', *{_replay_argv(trace)!r}]\n"
+                                         "from pykvtier import cli\nsys.exit(cli.main())")
+    first = shots[0][3]
+    assert proc.returncode == 128 + first, proc.stderr
+    assert proc.stderr.splitlines()[-1] == _NOTICE[first], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert left == []
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="anchors are qualified names (co_qualname)")
+def test_library_replay_under_default_sigterm_cleans_up_then_dies_of_it(tmp_path):
+    """run_replay() in a program that left SIGTERM at its default action: the temporary root
+    is removed, then the process ends by SIGTERM as it would have."""
+    trace = _trace_file(tmp_path / "t.jsonl")
+    body = (f"from pykvtier.replay import ReplayConfig, run_replay\n"
+            f"run_replay(ReplayConfig(trace={trace!r}, model='tiny', tokens_per_block={TINY_TPB}, "
+            "max_requests=None, capacity_bytes=None, progress=False))\n"
+            "print('not reached')")
+    proc, left = _child(tmp_path, [("pykvtier.tier.DiskTier.submit_store", 1, 0, _TERM)], body)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert "not reached" not in proc.stdout
+    assert left == []
