@@ -47,6 +47,8 @@ void io_uring_queue_exit(struct io_uring *ring);
 unsigned pykvtier_ring_features(const struct io_uring *ring);
 unsigned pykvtier_sq_entries(const struct io_uring *ring);
 unsigned pykvtier_cq_entries(const struct io_uring *ring);
+const unsigned *pykvtier_cq_khead(const struct io_uring *ring);
+const unsigned *pykvtier_cq_ktail(const struct io_uring *ring);
 int pykvtier_statx_submit(struct io_uring *ring, const char *paths, size_t stride,
                           const uint64_t *offsets, struct pykvtier_statx_req *reqs,
                           unsigned count, uint64_t tag_base, int dfd, int flags, unsigned mask,
@@ -84,6 +86,20 @@ static unsigned pykvtier_sq_entries(const struct io_uring *ring)
 static unsigned pykvtier_cq_entries(const struct io_uring *ring)
 {
     return ring->cq.ring_entries;
+}
+
+/*
+ * The CQ ring's head and tail, shared with the kernel: head != tail when CQEs wait to be
+ * reaped. A plain read is a hint (no barrier); pykvtier_statx_reap reads them properly.
+ */
+static const unsigned *pykvtier_cq_khead(const struct io_uring *ring)
+{
+    return ring->cq.khead;
+}
+
+static const unsigned *pykvtier_cq_ktail(const struct io_uring *ring)
+{
+    return ring->cq.ktail;
 }
 
 /*

@@ -222,6 +222,10 @@ class ExistenceProbe:
         self.entries = lib.pykvtier_sq_entries(ring)
         self._flags = lib.AT_SYMLINK_NOFOLLOW | lib.AT_STATX_SYNC_AS_STAT
         self._mask = lib.STATX_TYPE | lib.STATX_MODE | lib.STATX_NLINK | lib.STATX_SIZE
+        # CQ ring head and tail (kernel-shared memory): read without a call into C, so a
+        # take() of a probe still in flight costs no call when nothing completed meanwhile.
+        self._cq_head = lib.pykvtier_cq_khead(ring)
+        self._cq_tail = lib.pykvtier_cq_ktail(ring)
         self._prepared = ffi.new("unsigned *")
         self._submit_calls = ffi.new("unsigned *")
         # Reaped results not handed out yet, in completion order: entries [pos, count) of five
@@ -304,8 +308,9 @@ class ExistenceProbe:
     def take(self, ticket: int) -> ProbeResult | None:
         """The result of one probe if it completed, else ``None``; never waits.
 
-        Reaps completions (one call into C) when this probe's is not there yet. The result
-        is then handed out: :meth:`poll` will not return it.
+        When this probe's completion was not reaped yet and the CQ ring holds completions,
+        reaps them all (one call into C). The result is then handed out: :meth:`poll` will
+        not return it.
 
         Raises:
             KeyError: ``ticket`` is not a probe in flight (unknown, or its result was
@@ -325,6 +330,8 @@ class ExistenceProbe:
             raise KeyError(f"probe ticket {ticket!r} is not in flight")
         req = batch.reqs[index]
         if not req.done:
+            if self._cq_tail[0] == self._cq_head[0]:  # no CQE waiting (overflow: ring full)
+                return None
             self._reap()
             if not req.done:
                 return None

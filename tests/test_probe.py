@@ -740,3 +740,24 @@ def test_a_lookup_applies_at_most_its_own_probe_result(root):
         tier.drain()
     finally:
         tier.shutdown()
+
+
+def test_probe_storm_bench_runs_and_checks_its_answers(tmp_path):
+    """bench/probe_storm.py end to end at a small size (it exits non-zero on a wrong answer or
+    a wrong probe count); the old path too where git can show the old commit."""
+    script = REPO_ROOT / "bench" / "probe_storm.py"
+    has_old = subprocess.run(["git", "-C", str(REPO_ROOT), "cat-file", "-e", "150a034^{commit}"],
+                             capture_output=True).returncode == 0
+    args = [sys.executable, str(script), "--dir", str(tmp_path / "bench"), "--keys", "300",
+            "--loads", "4", "--pool", "4", "--block-size", "64K", "--step-ms", "1", "--rounds", "1",
+            "--cache", "warm", "--path", "both" if has_old else "new", "--json", str(tmp_path / "o.json")]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    import json
+
+    out = json.loads((tmp_path / "o.json").read_text())
+    for path in ("new", "old") if has_old else ("new",):
+        (r,) = out["runs"][path]["warm"]
+        # step 1 asks all 300 (RETRY), later steps only the keys still unanswered
+        assert r["steps"] >= 2 and len(r["lookup_ns"]) >= 300 + 1
+    assert not (tmp_path / "bench").exists()  # removed without --keep
