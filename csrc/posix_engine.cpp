@@ -287,7 +287,7 @@ int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own
       err = -EINVAL;
     else if ((st.st_mode & 07777) != job.file_mode && ::fchmod(fd, mode_t(job.file_mode)) != 0)
       err = -errno;
-  } else if (job.fix_mode && ::fchmod(fd, mode_t(job.file_mode)) != 0) {  // (see Job::fix_mode)
+  } else if (tmp && job.fix_mode && ::fchmod(fd, mode_t(job.file_mode)) != 0) {  // (Job::fix_mode)
     err = -errno;
   }
   if (err == 0 && (flags & O_NONBLOCK) && ::fcntl(fd, F_SETFL, direct) != 0) err = -errno;

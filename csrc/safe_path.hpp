@@ -110,12 +110,16 @@ inline int open_walk(const std::string& path, int flags, mode_t mode) {
 
 // open(2) of path (flags, mode as open's) that follows no symbolic link anywhere in it:
 // openat2 with RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS; where the kernel has no openat2
-// (ENOSYS), the component walk. A link: -1, errno ELOOP (with O_PATH | O_NOFOLLOW a link as
-// the last component is opened itself, as open(2) does). Else -1 with open's errno.
+// (ENOSYS, remembered) or a seccomp profile refuses it (EPERM: older container runtimes), the
+// component walk, equally link-free. A link: -1, errno ELOOP (with O_PATH | O_NOFOLLOW a link
+// as the last component is opened itself, as open(2) does). Else -1 with open's errno.
 inline int open_no_links(const std::string& path, int flags, mode_t mode = 0) {
-  const int fd = sys_openat2(AT_FDCWD, path.c_str(), uint64_t(flags), mode, kResolveNoLinks);
-  if (fd >= 0 || errno != ENOSYS) return fd;
-  // (O_PATH|O_NOFOLLOW keeps open(2)'s meaning: the link itself)
+  static std::atomic<bool> no_openat2{false};
+  if (!no_openat2.load(std::memory_order_relaxed)) {
+    const int fd = sys_openat2(AT_FDCWD, path.c_str(), uint64_t(flags), mode, kResolveNoLinks);
+    if (fd >= 0 || (errno != ENOSYS && errno != EPERM)) return fd;
+    if (errno == ENOSYS && !openat2_disabled_for_tests().load()) no_openat2 = true;
+  }
   return detail::open_walk(path, flags, mode);
 }
 

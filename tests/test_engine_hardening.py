@@ -128,6 +128,9 @@ def test_symlink_at_a_block_path_is_never_read(root, outside, aligned, engine, t
     assert store(engine, src, block, b"k", direct=False) == [SIZE]
     assert os.path.islink(block) and file_bytes(target) == before
     assert sorted(os.listdir(root)) == ["b.kvb"] and os.listdir(outside) == ["target.kvb"]
+    # evicting it removes the link, never its target
+    assert engine.run("unlink", [block]) == [0]
+    assert os.listdir(root) == [] and file_bytes(target) == before
 
 
 def test_hard_linked_block_file_fails_emlink(root, aligned, engine):

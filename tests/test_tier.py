@@ -287,7 +287,8 @@ def test_promoter_reads_a_shared_block_once(stored):
     assert after["blocks_loaded"] - before["blocks_loaded"] == 3
     assert after["loads_submitted"] - before["loads_submitted"] == 2
     assert after["submits"] - before["submits"] == 2  # one io_uring_submit per request
-    assert after["engine_sqes"] - before["engine_sqes"] == 3 * 4  # open, header, data, close
+    # open, statx (link count), header, data, close
+    assert after["engine_sqes"] - before["engine_sqes"] == 3 * 5
     assert [p.lookup(k) for k in keys] == [HIT] * 4
     assert p.poll() == [] and p.take_other_results() == []
 
@@ -361,7 +362,7 @@ def test_load_partial_failure_reports_exactly_the_good_keys(stored):
     assert np.array_equal(a[5], src[1]) and np.array_equal(a[7], src[2])
     assert [tier.lookup(k) for k in keys] == [MISS, HIT, HIT, MISS]
     d = {k: tier.stats()[k] - before[k] for k in before}
-    assert d["engine_sqes"] == 4 * 4  # the absent key cost no I/O
+    assert d["engine_sqes"] == 4 * 5  # the absent key cost no I/O
     assert d["blocks_loaded"] == 2 and d["load_failures"] == 2
     assert d["quarantined"] == 1 and d["verify_failures"] == 1
 
