@@ -258,17 +258,26 @@ class DiskTier:
         root_dir: directory of the tier (created if missing). Several processes may share it
             (``shared=True``): blocks are content-addressed, written under temporary names and
             renamed into place.
-        block_size_bytes: payload bytes per block (e.g. 2 MiB = 16 tokens of Llama-3-8B bf16).
-            A block file is this plus a 4096-byte header.
-        capacity_bytes: limit on block file bytes; least recently used blocks are evicted to
-            make room (never one that a load is reading). None: no limit.
+        block_size_bytes: payload bytes per block (e.g. 2 MiB = 16 tokens of Llama-3-8B bf16),
+            1 .. 1 GiB (the engines' per-request limit). A block file is this plus a 4096-byte
+            header.
+        capacity_bytes: limit on block file bytes (``used_bytes``); least recently used blocks
+            are evicted to make room (never one that a load is reading). None: what the file
+            system holds, less ``min_free_bytes``.
+        min_free_bytes: free space kept on the root's file system (statvfs, checked at most
+            every 100 ms; the tier's own stores and evictions are counted in between): a store
+            that would bring it below evicts least recently used blocks first, or fails when
+            none can be evicted. Applies with or without ``capacity_bytes``. None: 5 % of the
+            file system's size. Whatever the reserve, a store that meets a full file system
+            (ENOSPC, EDQUOT) evicts as many blocks and is written once more.
         shared: keys the index does not know may have been written by another process: they are
             probed (asynchronously, RETRY meanwhile) instead of answered MISS.
         direct: use O_DIRECT. None: where the file system accepts it (probed once); a buffered
             fallback is logged and counted in ``stats()["direct_fallbacks"]``.
         queue_depth: block requests in flight in the engine.
         max_inflight_bytes: payload bytes in flight in the engine.
-        probe_ttl_s: how long a probe's "not found" stays a MISS before it is probed again.
+        probe_ttl_s: seconds (a number >= 0) a probe's "not found" stays a MISS before it is
+            probed again.
         fsync: durable stores: each block file is fdatasync'ed before it is renamed into place,
             and the directories of a job's renames are fsync'ed (each once) before the job is
             reported. Turns ``recycle`` off (see there).
@@ -300,7 +309,15 @@ class DiskTier:
     exclusive for ``shared=False``, shared for ``shared=True``), and records its block size in
     ``ROOT/pykvtier-root.json``.
 
-    Raises ValueError for a bad block size, an unusable root, a root holding blocks of another
+    Files the tier or its engine could not remove (a failed store's temporary, an evicted
+    block whose unlink failed) stay counted in ``used_bytes`` (``stats()["leftover_files"]``)
+    and their removal is retried at most once a second from :meth:`get_finished_jobs`; a key
+    whose old block file is among them cannot be stored meanwhile. Per-key failures (stores,
+    loads, evictions) are logged aggregated: one WARNING line with counts per reason, the
+    first at once, then at most one every 5 s.
+
+    Raises TypeError for an option of the wrong type, ValueError for an out-of-range option
+    (each naming the option), a bad block size, an unusable root, a root holding blocks of another
     block size (naming both sizes), or io_uring being unavailable;
     :class:`pykvtier.layout.RootLockedError` (a ValueError naming the holder's pid) when
     another tier holds the root (any tier for ``shared=False``; a ``shared=False`` one for
@@ -443,6 +460,7 @@ class DiskTier:
         self._pending: dict[int, _Pending] = {}  # engine job id -> caller job
         self._evicting: dict[int, list[bytes]] = {}  # engine job id -> digests being removed
         self._retry_after: dict[int, _Pending] = {}  # eviction's engine job id -> store to retry
+        self._polled: list = []  # engine results polled, not settled yet (see drain)
         self._writing = 0  # WRITING blocks
         self._leftovers: dict[str, bytes | None] = {}  # unremovable file -> digest of its name
         self._leftover_digests: set[bytes] = set()  # block names among them
@@ -799,6 +817,7 @@ class DiskTier:
                     else f"no room: free space at {self.layout.root} is below min_free_bytes="
                          f"{self.min_free_bytes} and every block is in use")
                 self._stats["capacity_rejections"] += 1
+                self._warn("stores refused", pend.done[key], self.layout.root)
                 continue
             self._writing += 1
             self._index[digest] = _Entry(_State.WRITING)
@@ -952,13 +971,18 @@ class DiskTier:
             self._apply_probes()
         return out
 
-    def _collect(self) -> None:
-        """Settles what the engine finished (results into self._ready)."""
-        finished = self._engine.poll()
+    def _poll(self) -> None:
+        """Moves what the engine finished to self._polled (not settled yet)."""
+        self._polled.extend(self._engine.poll())
         take = getattr(self._engine, "take_leftovers", None)
         if take is not None:  # before settling: a victim's name stays refused to stores
             for path in take():
                 self._add_leftover(path)
+
+    def _collect(self) -> None:
+        """Settles what the engine finished (results into self._ready)."""
+        self._poll()
+        finished, self._polled = self._polled, []
         for eid, _op, results, submits, _queued, transfer_s in finished:
             if eid in self._evicting:
                 self._finish_eviction(eid, results)
@@ -1066,6 +1090,33 @@ class DiskTier:
         self._stats["store_retries"] += len(no_space)
         self._retry_after[eid] = pend
         return True
+
+    def _continue_retries(self) -> bool:
+        """For drain(): settles only the engine jobs a store's retry needs settled (a store whose
+        keys met ENOSPC/EDQUOT, an eviction a retry waits on); the others stay unsettled for
+        get_finished_jobs(). True when it submitted more I/O."""
+        self._poll()
+        keep: list = []
+        more = False
+        for item in self._polled:
+            eid, _op, results, submits, _queued, transfer_s = item
+            if eid in self._retry_after:
+                self._finish_eviction(eid, results)
+                self._resubmit(self._retry_after.pop(eid))
+                more = True
+                continue
+            pend = self._pending.get(eid)
+            if (pend is None or pend.is_load or pend.retried
+                    or not any(r in _NO_SPACE for r in results)):
+                keep.append(item)
+                continue
+            res = self._settle(self._pending.pop(eid), results, transfer_s, submits)
+            if res is None:
+                more = True
+            else:
+                self._ready.append(res)
+        self._polled = keep
+        return more
 
     def _resubmit(self, pend: _Pending) -> None:
         """Writes a store's retried keys (see _retry_store) once the evictions made room."""
@@ -1235,14 +1286,14 @@ class DiskTier:
     def has_pending_work(self) -> bool:
         """True while jobs, evictions or probes are in flight or results wait to be collected."""
         if self._closed:  # shutdown() drained everything; only uncollected results are left
-            return bool(self._ready or self._engine.pending_jobs())
-        return bool(self._pending or self._evicting or self._ready or self._probing
+            return bool(self._ready or self._polled or self._engine.pending_jobs())
+        return bool(self._pending or self._evicting or self._ready or self._polled or self._probing
                     or self._probe_wanted)
 
     def wait(self, timeout_s: float | None = None) -> list[JobResult]:
         """Blocks (GIL released) until at least one job finished or nothing is pending, or
         timeout_s seconds; returns the finished jobs as :meth:`get_finished_jobs`."""
-        if not self._ready:
+        if not self._ready and not self._polled:
             self._engine.wait(timeout_s)
         return self.get_finished_jobs()
 
@@ -1250,8 +1301,7 @@ class DiskTier:
         """Blocks until every submitted job and eviction finished (results stay available to
         :meth:`get_finished_jobs`) and in-flight probes were applied. Never aborts I/O."""
         self._engine.drain()
-        while self._retry_after:  # stores waiting on their evictions: resubmit, wait again
-            self._collect()
+        while self._continue_retries():
             self._engine.drain()
         if self._probe is not None and self._probing:
             self._apply_probes(self._probe.wait())
