@@ -140,7 +140,7 @@ def make_old_tier_class(old_probe: ModuleType) -> type:
                 self._apply_probes()
             if self._probe_wanted:
                 batch = [(d, self.layout.block_path(d)) for d in self._probe_wanted]
-                self._probing.update(dict.fromkeys(self._probe_wanted, 0))
+                self._probing.append((0, dict.fromkeys(self._probe_wanted, 0)))
                 self._probe_wanted.clear()
                 self._stats["probes"] += len(batch)
                 self._probe.submit(batch)

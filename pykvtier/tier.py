@@ -234,17 +234,19 @@ def _packed_block_paths(layout: Layout, digests: list[bytes]) -> tuple[Any, int]
     sample = os.fsencode(layout.block_path(digests[0]))
     at = sample.rfind(h0)
     hexs = b"".join(digests).hex().encode()
-    if at >= 3 and sample[at - 3:at] == h0[:2] + b"/" and len(hexs) == n * len(h0):
-        prefix, suffix, width = sample[:at - 3], sample[at + len(h0):], len(h0)
-        stride = len(sample) + 1
-        out = np.zeros((n, stride), dtype=np.uint8)
-        hx = np.frombuffer(hexs, dtype=np.uint8).reshape(n, width)
-        p = len(prefix)
-        out[:, :p] = np.frombuffer(prefix, dtype=np.uint8)
-        out[:, p:p + 2] = hx[:, :2]
-        out[:, p + 2] = ord("/")
-        out[:, p + 3:p + 3 + width] = hx
-        out[:, p + 3 + width:p + 3 + width + len(suffix)] = np.frombuffer(suffix, dtype=np.uint8)
+    w = len(h0)
+    if at > 3 and sample[at - 3:at] == h0[:2] + b"/" and at + w < len(sample) and len(hexs) == n * w:
+        prefix, suffix = sample[:at - 3], sample[at + w:]
+        p, stride = len(prefix), len(sample) + 1  # the last byte of each slot stays NUL
+        slot = np.dtype({"names": ["prefix", "fan", "slash", "hex", "suffix"],
+                         "formats": [f"S{p}", "S2", "S1", f"S{w}", f"S{len(suffix)}"],
+                         "offsets": [0, p, p + 2, p + 3, p + 3 + w], "itemsize": stride})
+        out = np.zeros(n, dtype=slot)
+        out["prefix"] = prefix
+        out["fan"] = np.ndarray((n,), dtype="S2", buffer=hexs, strides=(w,))
+        out["slash"] = b"/"
+        out["hex"] = np.frombuffer(hexs, dtype=f"S{w}")
+        out["suffix"] = suffix
         return out, stride
     raws = [os.fsencode(layout.block_path(d)) for d in digests]
     stride = max(map(len, raws)) + 1
@@ -454,8 +456,11 @@ class DiskTier:
         self._loading: dict[bytes, int] = {}  # digest -> loads in flight
         self._failed: set[bytes] = set()  # digests whose load failed: MISS until stored again
         self._removed: list[bytes] | None = [] if track_removals else None
-        self._probe_wanted: dict[bytes, None] = {}  # digests to probe at the step's end, first asked first
-        self._probing: dict[bytes, int] = {}  # digest -> ticket of its probe in flight
+        # digest -> its index in the next probe batch (first asked first), until the step's end
+        self._probe_wanted: dict[bytes, int] = {}
+        # probe batches in flight: (first ticket, digest -> index), digests whose result was not
+        # applied yet; a batch leaves the list once empty
+        self._probing: list[tuple[int, dict[bytes, int]]] = []
         self._probe_misses: dict[bytes, float] = {}  # digest -> time the MISS expires
         self._pending: dict[int, _Pending] = {}  # engine job id -> caller job
         self._evicting: dict[int, list[bytes]] = {}  # engine job id -> digests being removed
@@ -658,13 +663,14 @@ class DiskTier:
             return LookupResult.MISS  # being removed
         if not self.shared:
             return LookupResult.MISS
-        ticket = self._probing.get(digest)
-        if ticket is not None:  # applies this key's probe result only, if it completed
-            r = self._probe.take(ticket)
-            if r is None:
-                return LookupResult.RETRY
-            self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, time.monotonic())
-            return self._lookup_digest(digest)
+        for first, batch in self._probing:
+            i = batch.get(digest)
+            if i is not None:  # in flight: applies this key's probe result only, if it completed
+                r = self._probe.take(first + i)
+                if r is None:
+                    return LookupResult.RETRY
+                self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, time.monotonic())
+                return self._lookup_digest(digest)
         if digest in self._probe_wanted:
             return LookupResult.RETRY
         expiry = self._probe_misses.get(digest)
@@ -672,7 +678,7 @@ class DiskTier:
             if time.monotonic() < expiry:
                 return LookupResult.MISS
             del self._probe_misses[digest]
-        self._probe_wanted[digest] = None
+        self._probe_wanted[digest] = len(self._probe_wanted)
         return LookupResult.RETRY
 
     def on_step_end(self) -> None:
@@ -684,11 +690,11 @@ class DiskTier:
         if self._probing:
             self._apply_probes()
         if self._probe_wanted:
-            digests = list(self._probe_wanted)
-            self._probe_wanted.clear()
+            wanted, self._probe_wanted = self._probe_wanted, {}
+            digests = list(wanted)
             paths, stride = _packed_block_paths(self.layout, digests)
             first = self._probe.submit_packed(digests, paths, stride)
-            self._probing.update(zip(digests, range(first, first + len(digests))))
+            self._probing.append((first, wanted))
             self._stats["probes"] += len(digests)
 
     def _apply_probes(self, results: Iterable | None = None) -> None:
@@ -706,7 +712,11 @@ class DiskTier:
                      now: float) -> None:
         """One probe's answer: a HIT only for a regular file (statx does not follow a link),
         with one link, of the block file size."""
-        del self._probing[digest]
+        for entry in self._probing:
+            if entry[1].pop(digest, None) is not None:
+                if not entry[1]:
+                    self._probing.remove(entry)
+                break
         self._stats["probe_results_applied"] += 1
         if digest in self._index:
             return
