@@ -320,6 +320,18 @@ def test_importing_pykvtier_does_not_import_vllm():
     ({"max_inflight_bytes": 1.5}, r"max_inflight_bytes must be a positive integer, got 1.5"),
     ({"probe_ttl_s": "1"}, r"probe_ttl_s must be a positive number, got '1'"),
     ({"queue_depth": 5000}, r"queue_depth must be in 1\.\.4096, got 5000"),
+    ({"mode": 0o744}, r"PyKVTier: mode must be file permission bits within 0o666 .*got 0o744"),
+    ({"mode": 0o440}, r"PyKVTier: mode must be .*owner read and write set .*got 0o440"),
+    ({"mode": "rw-r-----"}, r"PyKVTier: mode must be file permission bits, an int or a string "
+                            r"of octal digits such as \"640\", got 'rw-r-----'"),
+    ({"mode": "0o"}, r"PyKVTier: mode must be file permission bits, an int or a string"),
+    ({"mode": True}, r"PyKVTier: mode must be an int of permission bits"),
+    ({"mode": 6.4}, r"PyKVTier: mode must be an int of permission bits"),
+    ({"min_free_bytes": -1}, r"PyKVTier: min_free_bytes must be null or an integer >= 0 "
+                             r"\(bytes\), got -1"),
+    ({"min_free_bytes": "5%"}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got '5%'"),
+    ({"min_free_bytes": 1.5}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got 1.5"),
+    ({"min_free_bytes": False}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got False"),
 ])
 def test_bad_config_is_a_clear_error(root, bad, match):
     cfg = {**tier_config(root), **bad}
@@ -327,6 +339,97 @@ def test_bad_config_is_a_clear_error(root, bad, match):
     arr = aligned_rows(4)
     with pytest.raises(ValueError, match=match):
         SecondaryTierFactory.create_secondary_tier(cfg, memoryview(arr), spec)
+
+
+def _modes(tier: PyKVTier) -> dict[str, int]:
+    """Permission bits of what the tier made: its directories, config.json, a block file."""
+    (ns,) = tier.namespace_dirs
+    (block,) = block_files(tier)
+    paths = {"pykvtier/": os.path.dirname(ns), "namespace/": ns,
+             "blocks/": os.path.join(ns, "blocks"), "fan-out/": os.path.dirname(block),
+             "config.json": os.path.join(ns, "config.json"), "block": block}
+    return {name: os.stat(p).st_mode & 0o7777 for name, p in paths.items()}
+
+
+@pytest.mark.parametrize("mode, files, dirs", [
+    (None, 0o600, 0o700),  # default: KV blocks are user data
+    ("640", 0o640, 0o750),  # a string of octal digits (JSON has no octal literals)
+    ("0o660", 0o660, 0o770),
+    (0o640, 0o640, 0o750),  # 416 in JSON
+])
+def test_mode_sets_the_files_and_directories_it_makes(root, make_tier, mode, files, dirs):
+    old_umask = os.umask(0o077)  # exact modes, whatever the umask
+    try:
+        cfg = tier_config(os.path.join(root, "r")) if mode is None else \
+            tier_config(os.path.join(root, "r"), mode=mode)
+        tier, arr = make_tier(cfg)
+    finally:
+        os.umask(old_umask)
+    assert [t.file_mode for t in tier.tiers] == [files]
+    fill(arr, [key(1)], [0])
+    assert run(tier, job(1, [key(1)], [0], promotion=False))[1].success
+    assert _modes(tier) == {"pykvtier/": dirs, "namespace/": dirs, "blocks/": dirs,
+                            "fan-out/": dirs, "config.json": files, "block": files}
+
+
+def test_min_free_bytes_is_passed_to_every_root(root, make_tier):
+    roots = [os.path.join(root, "a"), os.path.join(root, "b")]
+    tier, _ = make_tier(tier_config(roots, min_free_bytes=12345))
+    assert [t.min_free_bytes for t in tier.tiers] == [12345, 12345]  # per file system, not split
+    zero, _ = make_tier(tier_config(os.path.join(root, "z"), min_free_bytes=0))
+    assert [t.min_free_bytes for t in zero.tiers] == [0]
+    default, _ = make_tier(tier_config(os.path.join(root, "d")))  # null: 5 % of the file system
+    st = os.statvfs(default.namespace_dirs[0])
+    assert [t.min_free_bytes for t in default.tiers] == [st.f_blocks * st.f_frsize // 20]
+
+
+def _second_tier_error(root, **options) -> str:
+    """The error of a PyKVTier on ``root`` made as vLLM makes it (OffloadingSpecFactory ->
+    get_manager -> SecondaryTierFactory): the message it fails with at start-up."""
+    spec = OffloadingSpecFactory.create_spec(offloading_config([tier_config(root, **options)]))
+    with pytest.raises(ValueError) as ei:
+        spec.get_manager()
+    return str(ei.value)
+
+
+def test_two_instances_on_one_root_the_second_is_refused_naming_the_holder(root, stack):
+    first = stack([tier_config(root)])  # holds ROOT/pykvtier/<model ns> exclusively
+    (ns,) = first.tier.namespace_dirs
+    msg = _second_tier_error(root)
+    assert msg == (
+        f"PyKVTier: root {root!r} is in use by pid {os.getpid()} (this process): its directory "
+        f"for this model ({ns}) is locked ({ns}/.pykvtier.lock) and another tier holds it (an "
+        "instance of the same model and layout). Give each vLLM instance its own root_dir "
+        "entry, or set shared: true on every instance if they share it on purpose")
+    # shared instances share it; an exclusive one cannot join them, nor they it
+    first.m.shutdown()
+    a = stack([tier_config(root, shared=True)])
+    b = stack([tier_config(root, shared=True)])
+    assert a.tier.namespace_dirs == b.tier.namespace_dirs == [ns]
+    assert _second_tier_error(root).startswith(
+        f"PyKVTier: root {root!r} is in use by pid {os.getpid()} (this process): ")
+
+
+def test_shared_instance_refused_by_an_exclusive_one_in_another_process(root, stack):
+    s = stack([tier_config(root)])
+    (ns,) = s.tier.namespace_dirs
+    s.m.shutdown()  # the lock is let go with the tier: another process takes it
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pykvtier import DiskTier; "
+         f"t = DiskTier({ns!r}, {BLOCK}); print('locked', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        msg = _second_tier_error(root, shared=True)
+    finally:
+        holder.communicate("")
+    assert msg == (
+        f"PyKVTier: root {root!r} is in use by pid {holder.pid}: its directory for this model "
+        f"({ns}) is locked ({ns}/.pykvtier.lock) and a tier with shared: false holds it "
+        "(exclusively). Set shared: true on every vLLM instance that shares this root_dir on "
+        "purpose")
+    assert holder.returncode == 0
+    stack([tier_config(root, shared=True)])  # the holder is gone: it starts
 
 
 def test_root_dir_that_is_a_file_is_named(root):

@@ -62,7 +62,7 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import __version__
-from ..layout import key_digest
+from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
 from ..tier import DiskTier
 from ..tier import JobResult as TierJobResult
 from ..tier import LookupResult as TierLookupResult
@@ -87,7 +87,8 @@ _LOOKUP = {
 # The config keys PyKVTier takes (besides the factory's own four), for the unknown-key error.
 _OPTIONS = (
     "root_dir", "capacity_bytes", "locality", "enable_kv_events", "engine", "queue_depth",
-    "max_inflight_bytes", "direct", "fsync", "shared", "probe_ttl_s", "recycle",
+    "max_inflight_bytes", "direct", "fsync", "shared", "probe_ttl_s", "recycle", "mode",
+    "min_free_bytes",
 )
 
 
@@ -207,6 +208,47 @@ def _number(options: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     return kind(v)
 
 
+def _file_mode(options: dict[str, Any]) -> int:
+    """``mode``: file permission bits, an int (0o640 in Python, 416 in JSON) or a string of
+    octal digits ("640", "0o640", "0640"); see DiskTier(mode=)."""
+    v = options.get("mode", 0o600)
+    if isinstance(v, str):
+        try:
+            v = int(v.strip().removeprefix("0o").removeprefix("0O") or "x", 8)
+        except ValueError:
+            raise ValueError(f"PyKVTier: mode must be file permission bits, an int or a string "
+                             f"of octal digits such as \"640\", got {options['mode']!r}") from None
+    try:
+        return check_file_mode(v, "mode")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"PyKVTier: {exc}") from None
+
+
+def _min_free_bytes(options: dict[str, Any]) -> int | None:
+    v = options.get("min_free_bytes")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise ValueError(f"PyKVTier: min_free_bytes must be null or an integer >= 0 (bytes), "
+                         f"got {v!r}")
+    return v
+
+
+def _locked(root: str, ns: str, shared: bool, exc: RootLockedError) -> ValueError:
+    """The start-up error for a namespace directory locked by another tier, in the config's
+    terms: what holds it, and what to do."""
+    me = os.getpid()
+    who = ", ".join(f"{p} (this process)" if p == me else str(p) for p in exc.holders) or \
+        "unknown"
+    if shared:
+        what = ("a tier with shared: false holds it (exclusively). Set shared: true on every "
+                "vLLM instance that shares this root_dir on purpose")
+    else:
+        what = ("another tier holds it (an instance of the same model and layout). Give each "
+                "vLLM instance its own root_dir entry, or set shared: true on every instance "
+                "if they share it on purpose")
+    return ValueError(f"PyKVTier: root {root!r} is in use by pid {who}: its directory for this "
+                      f"model ({ns}) is locked ({exc.root}/.pykvtier.lock) and {what}")
+
+
 def _roots(root_dir: Any) -> list[str]:
     if isinstance(root_dir, (str, os.PathLike)):
         roots = [os.fspath(root_dir)]
@@ -245,6 +287,15 @@ class PyKVTier(SecondaryTierManager):
       processes (other vLLM instances): unknown keys are probed asynchronously (RETRY until the
       probe lands, one step) instead of answered MISS. ``probe_ttl_s``: how long a probe's
       "not found" stays a MISS.
+    - ``mode``: permission bits of the files the tier creates, 0o600 by default (KV blocks are
+      user data); its directories get the matching x bits (0o640 -> 0o750). An int (416 in
+      JSON) or a string of octal digits ("640"). Within 0o666, owner read and write set.
+    - ``min_free_bytes``: free space kept on each root's file system (not split: one drive
+      each); None (default): 5 % of that file system. See DiskTier.
+
+    Each root's directory for this model is locked while the tier runs (exclusively unless
+    ``shared``): a second instance on it fails at start-up with a ValueError naming the root
+    and the holder's pid.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -279,6 +330,8 @@ class PyKVTier(SecondaryTierManager):
         shared = _flag(options, "shared", False)
         probe_ttl_s = _number(options, "probe_ttl_s", 1.0, float)
         recycle = _flag(options, "recycle", True)
+        mode = _file_mode(options)
+        min_free_bytes = _min_free_bytes(options)
         if locality is not None:
             try:
                 self.locality = Locality(locality)
@@ -311,7 +364,7 @@ class PyKVTier(SecondaryTierManager):
         try:
             for root in roots:
                 try:
-                    ns = self._namespace_dir(root, offloading_spec)
+                    ns = self._namespace_dir(root, offloading_spec, mode)
                 except OSError as exc:
                     raise ValueError(f"PyKVTier: root {root!r}: cannot create the tier's directory "
                                      f"({exc.filename}: {exc.strerror})") from exc
@@ -320,8 +373,13 @@ class PyKVTier(SecondaryTierManager):
                         ns, block, capacity_bytes=per_root, shared=shared, direct=direct,
                         queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
                         probe_ttl_s=probe_ttl_s, fsync=fsync, engine=engine,
-                        track_removals=self._events is not None, recycle=recycle,
+                        track_removals=self._events is not None, recycle=recycle, mode=mode,
+                        min_free_bytes=min_free_bytes,
                     )
+                except RootLockedError as exc:
+                    err = _locked(root, ns, shared, exc)
+                    logger.error("%s", err)
+                    raise err from exc
                 except ValueError as exc:
                     split = (f" (capacity_bytes={capacity_bytes} split over {len(roots)} roots)"
                              if per_root is not None and len(roots) > 1 else "")
@@ -363,18 +421,30 @@ class PyKVTier(SecondaryTierManager):
                     self.direct, capacity_bytes)
 
     @staticmethod
-    def _namespace_dir(root: str, spec: OffloadingSpec) -> str:
+    def _namespace_dir(root: str, spec: OffloadingSpec, mode: int = 0o600) -> str:
         """ROOT/pykvtier/<model>_<hash of the run config>_r<rank>, named by vLLM's FileMapper
-        (as vLLM's fs tier names its own), with the run config written beside the blocks."""
+        (as vLLM's fs tier names its own), with the run config written beside the blocks.
+        Directories made here get the dir mode of ``mode``, config.json ``mode`` itself."""
         mapper = FileMapper.from_offloading_spec(
             root_dir=os.path.join(root, "pykvtier"), offloading_spec=spec,
             blocks_per_file=spec.blocks_per_chunk, parallel_agnostic=True)
         ns = f"{mapper.base_path}_r{mapper.rank}"
-        os.makedirs(ns, exist_ok=True)
+        for d in (os.path.join(root, "pykvtier"), ns):
+            try:
+                os.makedirs(d, dir_mode_of(mode))  # (a missing root_dir: the default mode)
+            except FileExistsError:
+                continue
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                os.fchmod(fd, dir_mode_of(mode))  # exactly, whatever the umask
+            finally:
+                os.close(fd)
         cfg = os.path.join(ns, "config.json")
         if not os.path.exists(cfg):
             tmp = f"{cfg}.tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+            with open(fd, "w") as f:
+                os.fchmod(fd, mode)
                 json.dump({"format": "pykvtier", "pykvtier_version": __version__,
                            **mapper.get_run_config()}, f, indent=2, sort_keys=True)
             os.replace(tmp, cfg)
