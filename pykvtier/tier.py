@@ -684,7 +684,10 @@ class DiskTier:
     def on_step_end(self) -> None:
         """Once per scheduler step: applies the existence probes that completed, then submits
         those gathered since the last step (one call into C: one batch of statx SQEs, one
-        io_uring_submit while the batch fits the ring). Never waits."""
+        io_uring_submit while the batch fits the ring). Never waits. Also retries the removal
+        of leftover files, as :meth:`get_finished_jobs` does."""
+        if self._leftovers and not self._closed:
+            self._retry_leftovers()
         if self._probe is None or self._closed:
             return
         if self._probing:

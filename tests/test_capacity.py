@@ -192,7 +192,7 @@ def test_a_failed_stores_temporary_that_cannot_be_removed_is_counted(root, make_
     assert tier.num_blocks == 0
     chattr.clear(fan, "a")
     clock.t += 1.0
-    tier.get_finished_jobs()
+    tier.on_step_end()  # (once a step, as get_finished_jobs)
     assert os.listdir(fan) == []
     assert tier.stats()["leftover_files"] == 0 and tier.used_bytes == 0
     assert run(tier, 2, [b"t"], [0]).success is True and tier.used_bytes == FB
