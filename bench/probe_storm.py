@@ -146,7 +146,7 @@ def make_old_tier_class(old_probe: ModuleType) -> type:
                 self._probe.submit(batch)
                 self._apply_probes()
 
-        def _apply_probes(self, results=None):
+        def _apply_probes(self, results=None, max_results=None):  # the old one applied all
             now = time.monotonic()
             for digest, size, err in self._probe.poll() if results is None else results:
                 self._apply_probe(digest, size, err, 0o100600, 1, now)

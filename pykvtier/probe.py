@@ -367,12 +367,24 @@ class ExistenceProbe:
         if self._ring is None:
             return self._stat_poll(max_results)
         self._reap()
+        out = _empty_columns()
+        want = max_results
+        while True:
+            k = self._out_count - self._out_pos
+            if want is not None:
+                k = min(k, want)
+            if k <= 0:
+                return out
+            cols = self._hand_out(k)
+            for mine, more in zip(out, cols):
+                mine.extend(more)
+            if want is None:
+                return out
+            want -= len(cols.tokens)  # fewer than k when take() had handed some out
+
+    def _hand_out(self, k: int) -> ProbeColumns:
+        """The next `k` reaped results, less those take() handed out already."""
         pos = self._out_pos
-        k = self._out_count - pos
-        if max_results is not None:
-            k = min(k, max_results)
-        if k <= 0:
-            return _empty_columns()
         ffi = self._ffi
         tags = np.frombuffer(ffi.buffer(self._out_tag + pos, 8 * k), dtype=np.uint64)
         res = np.frombuffer(ffi.buffer(self._out_res + pos, 4 * k), dtype=np.int32)

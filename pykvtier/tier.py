@@ -220,6 +220,9 @@ def _as_key(key: Any) -> bytes:
 #: SQ ring of a shared tier's existence probe: a probe storm of a few thousand unknown keys
 #: (one step's worth) goes out in one io_uring_submit.
 _PROBE_RING_ENTRIES = 4096
+#: Completed probe results get_finished_jobs() applies at most per call (lookup() applies only
+#: its own key's, on_step_end() all): no single call pays for a whole storm.
+_FINISHED_PROBE_SLICE = 256
 
 
 def _packed_block_paths(layout: Layout, digests: list[bytes]) -> tuple[Any, int]:
@@ -700,11 +703,11 @@ class DiskTier:
             self._probing.append((first, wanted))
             self._stats["probes"] += len(digests)
 
-    def _apply_probes(self, results: Iterable | None = None) -> None:
-        """Applies every completed existence probe (polled without waiting), or ``results``
-        (ProbeResult items)."""
+    def _apply_probes(self, results: Iterable | None = None, max_results: int | None = None) -> None:
+        """Applies completed existence probes (polled without waiting; at most ``max_results``,
+        all when None), or ``results`` (ProbeResult items)."""
         if results is None:
-            c = self._probe.poll_columns()
+            c = self._probe.poll_columns(max_results)
             results = zip(c.tokens, c.sizes, c.errors, c.modes, c.nlinks)
         now = time.monotonic()
         apply = self._apply_probe
@@ -980,8 +983,8 @@ class DiskTier:
             self._retry_leftovers()
         if self._warn_counts:
             self._flush_warnings()
-        if self._probing:
-            self._apply_probes()
+        if self._probing:  # a bounded slice: the rest is applied by lookup() and on_step_end()
+            self._apply_probes(max_results=_FINISHED_PROBE_SLICE)
         return out
 
     def _poll(self) -> None:

@@ -717,7 +717,7 @@ def test_probe_storm_resolves_every_key_exactly(root):
         tier.shutdown()
 
 
-def test_a_lookup_applies_at_most_its_own_probe_result(root):
+def test_a_lookup_applies_at_most_its_own_probe_result_get_finished_jobs_a_slice(root):
     tier, keys, present, _arena, _src = _storm(root, 1000, 4)
     try:
         for k in keys:
@@ -731,6 +731,10 @@ def test_a_lookup_applies_at_most_its_own_probe_result(root):
         assert tier.lookup(keys[500]) is MISS  # its own result only (500 % 3 != 0)
         assert tier.lookup(keys[999]) is HIT
         assert tier.stats()["probe_results_applied"] == 2
+        tier.get_finished_jobs()  # a bounded slice
+        assert tier.stats()["probe_results_applied"] == 2 + 256
+        tier.get_finished_jobs()
+        assert tier.stats()["probe_results_applied"] == 2 + 512
         tier.on_step_end()  # the rest, and submits b"never-seen"
         s = tier.stats()
         assert s["probe_results_applied"] == 1000 and s["probe_hits"] == len(present) == 334
