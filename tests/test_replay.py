@@ -639,3 +639,63 @@ def test_library_replay_under_default_sigterm_cleans_up_then_dies_of_it(tmp_path
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert "not reached" not in proc.stdout
     assert left == []
+
+
+class _Stopped(BaseException):
+    pass
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
+class _DropsIt:
+    """Python drops an exception raised in __del__ (it only reports it)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("where", ["check", "release"])
+def test_a_signal_whose_exception_was_dropped_is_delivered_again(where):
+    """A signal handled inside a __del__ raises there and Python drops the exception: the
+    replay delivers it again at its next check (per request, per wait), or at its end."""
+    from pykvtier.replay import _SignalGuard
+
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        guard = _SignalGuard()
+        guard.install()
+        try:
+            _DropsIt()  # collected at once: the handler raised inside __del__, dropped
+            assert guard.delivered == signal.SIGTERM
+            if where == "check":
+                with pytest.raises(_Stopped):
+                    guard.check()
+        finally:
+            guard.hold = True
+            if where == "release":
+                with pytest.raises(_Stopped):
+                    guard.release(unwinding=False)
+            else:
+                guard.release(unwinding=True)  # _Stopped is what unwinds: not sent again
+        assert signal.getsignal(signal.SIGTERM) is _raise_stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_remove_tree_is_idempotent_and_follows_no_link(tmp_path):
+    from pykvtier.replay import _remove_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    tree = tmp_path / "tree"
+    (tree / "blocks" / "ab").mkdir(parents=True)
+    (tree / "blocks" / "ab" / "f").write_bytes(b"y" * 100)
+    (tree / "blocks" / "cd").symlink_to(outside)
+    assert _remove_tree(str(tree)) is True
+    assert not os.path.lexists(tree)
+    assert (outside / "keep").read_bytes() == b"x"
+    assert _remove_tree(str(tree)) is True  # already gone
