@@ -202,8 +202,8 @@ def switches() -> int:
 def run_once(cls, root: str, args, keys: list[bytes], present: set[bytes], pool: list[bytes],
              cold: ColdCache | None) -> dict:
     tier = cls(root, args.block_size, shared=True, probe_ttl_s=3600.0)
-    arena = host_arena(args.loads, args.block_size)
-    tier.set_arena(arena)
+    if args.loads:
+        tier.set_arena(host_arena(args.loads, args.block_size))
     digests = [key_digest(k) for k in keys if k in present]
     publish(tier, digests)
     try:

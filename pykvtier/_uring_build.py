@@ -30,6 +30,8 @@ CDEF = """
 struct io_uring { ...; };
 struct statx { uint32_t stx_mask; uint32_t stx_nlink; uint16_t stx_mode; uint64_t stx_size; ...; };
 struct pykvtier_statx_req { struct statx stx; uint64_t tag; int32_t res; uint32_t done; ...; };
+struct pykvtier_reap_out { uint64_t *tag; int32_t *res; uint64_t *size; uint32_t *mode;
+                           uint32_t *nlink; ...; };
 
 #define AT_FDCWD ...
 #define AT_SYMLINK_NOFOLLOW ...
@@ -53,8 +55,8 @@ int pykvtier_statx_submit(struct io_uring *ring, const char *paths, size_t strid
                           const uint64_t *offsets, struct pykvtier_statx_req *reqs,
                           unsigned count, uint64_t tag_base, int dfd, int flags, unsigned mask,
                           unsigned *prepared, unsigned *submits);
-unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask, uint64_t *tag, int32_t *res,
-                             uint64_t *size, uint32_t *mode, uint32_t *nlink, unsigned max);
+unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask,
+                             const struct pykvtier_reap_out *out, unsigned at, unsigned max);
 int pykvtier_wait(struct io_uring *ring, unsigned wait_nr, int64_t timeout_ns);
 """
 
@@ -158,18 +160,27 @@ static int pykvtier_statx_submit(struct io_uring *ring, const char *paths, size_
     }
 }
 
+/* Five parallel output arrays of pykvtier_statx_reap, one element per reaped probe. */
+struct pykvtier_reap_out {
+    uint64_t *tag;
+    int32_t *res;
+    uint64_t *size;
+    uint32_t *mode;
+    uint32_t *nlink;
+};
+
 /*
  * Non-blocking: reaps up to `max` available CQEs of statx requests queued by
  * pykvtier_statx_submit. For each: marks the request done, sets its `res` (-ENODATA when the
- * file system filled in fewer fields than `mask`), and appends (tag, res, size, mode, nlink)
- * to the five output arrays (size, mode, nlink are 0 unless res == 0). Returns how many were
- * appended. io_uring_peek_batch_cqe also flushes CQEs the kernel kept on its overflow list
- * (IORING_FEAT_NODROP). CQEs of the timeout SQEs liburing itself submits for a timed wait on
- * kernels without IORING_FEAT_EXT_ARG are dropped.
+ * file system filled in fewer fields than `mask`), and stores (tag, res, size, mode, nlink)
+ * at index at, at + 1, ... of the output arrays (size, mode, nlink are 0 unless res == 0).
+ * Returns how many were stored. io_uring_peek_batch_cqe also flushes CQEs the kernel kept on
+ * its overflow list (IORING_FEAT_NODROP). CQEs of the timeout SQEs liburing itself submits
+ * for a timed wait on kernels without IORING_FEAT_EXT_ARG are dropped.
  */
-static unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask, uint64_t *tag,
-                                    int32_t *res, uint64_t *size, uint32_t *mode,
-                                    uint32_t *nlink, unsigned max)
+static unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask,
+                                    const struct pykvtier_reap_out *out, unsigned at,
+                                    unsigned max)
 {
     struct io_uring_cqe *cqes[64];
     unsigned total = 0;
@@ -186,6 +197,7 @@ static unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask, uint64
         for (i = 0; i < got; i++) {
             struct pykvtier_statx_req *req;
             int32_t r = cqes[i]->res;
+            unsigned k = at + total;
 
             if (cqes[i]->user_data == LIBURING_UDATA_TIMEOUT)
                 continue;
@@ -194,11 +206,11 @@ static unsigned pykvtier_statx_reap(struct io_uring *ring, unsigned mask, uint64
                 r = -ENODATA;
             req->res = r;
             req->done = 1;
-            tag[total] = req->tag;
-            res[total] = r;
-            size[total] = r == 0 ? req->stx.stx_size : 0;
-            mode[total] = r == 0 ? req->stx.stx_mode : 0;
-            nlink[total] = r == 0 ? req->stx.stx_nlink : 0;
+            out->tag[k] = req->tag;
+            out->res[k] = r;
+            out->size[k] = r == 0 ? req->stx.stx_size : 0;
+            out->mode[k] = r == 0 ? req->stx.stx_mode : 0;
+            out->nlink[k] = r == 0 ? req->stx.stx_nlink : 0;
             total++;
         }
         io_uring_cq_advance(ring, got);

@@ -513,6 +513,10 @@ class ExistenceProbe:
             arrays.append((name, new))
         for name, new in arrays:
             setattr(self, name, new)
+        out = ffi.new("struct pykvtier_reap_out *")
+        out.tag, out.res, out.size = self._out_tag, self._out_res, self._out_size
+        out.mode, out.nlink = self._out_mode, self._out_nlink
+        self._reap_out = out  # what pykvtier_statx_reap writes through (one cdata per call saved)
         self._out_count = count - pos
         self._out_pos = 0
         self._out_capacity = capacity
@@ -592,10 +596,8 @@ class ExistenceProbe:
             return 0
         self._make_room(self._unreaped)
         c = self._out_count
-        n = self._lib.pykvtier_statx_reap(
-            self._ring, self._mask, self._out_tag + c, self._out_res + c, self._out_size + c,
-            self._out_mode + c, self._out_nlink + c, self._out_capacity - c,
-        )
+        n = self._lib.pykvtier_statx_reap(self._ring, self._mask, self._reap_out, c,
+                                          self._out_capacity - c)
         self._out_count = c + n
         self._unreaped -= n
         return n
