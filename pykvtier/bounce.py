@@ -239,6 +239,11 @@ class BounceEngine(FinishedJobsQueue):
             s["bounce_slots_free"] = len(self._free)
         return s
 
+    def take_leftovers(self) -> list[str]:
+        """The host engine's files it could not remove after a failure (each reported once)."""
+        take = getattr(self.host_engine, "take_leftovers", None)
+        return take() if take is not None else []
+
     # ------------------------------------------------------------------ internals
 
     def _submit(self, job_id: int, op: str, entries: list, io: dict, sync: bool = False) -> _Parent:

@@ -198,6 +198,32 @@ def test_a_failed_stores_temporary_that_cannot_be_removed_is_counted(root, make_
     assert run(tier, 2, [b"t"], [0]).success is True and tier.used_bytes == FB
 
 
+@pytest.mark.parametrize("host", ["uring", "posix"])
+def test_the_bounce_engine_reports_its_host_engines_leftovers(root, chattr, aligned, host):
+    """Device arenas store through BounceEngine: the temporary its host engine could not remove
+    reaches the tier through BounceEngine.take_leftovers()."""
+    from pykvtier import _native
+    from pykvtier.bounce import BounceEngine, HostCopier
+    from pykvtier.posix_engine import PosixEngine
+
+    h = _native.Engine(queue_depth=8) if host == "uring" else PosixEngine(queue_depth=8)
+    eng = BounceEngine(h, HostCopier(), BS, bounce_slots=2, chunk_blocks=1)
+    try:
+        d = os.path.join(root, "d")
+        os.mkdir(d)
+        chattr(d, "a")
+        dev = aligned(BS, fill=6)
+        final = os.path.join(d, "b")
+        res = eng.run("write_block", [(final + ".tmp", final, BS, int(dev.ctypes.data),
+                                       key_digest(b"b"))], direct=False)
+        assert res == [-errno.EPERM]
+        assert eng.take_leftovers() == [final + ".tmp"]
+        assert eng.take_leftovers() == []  # each once
+        assert os.listdir(d) == ["b.tmp"]
+    finally:
+        eng.shutdown()
+
+
 # ------------------------------------------------------------------------- item 8: full disks
 
 
