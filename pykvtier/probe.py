@@ -95,6 +95,9 @@ def _os_error(err: int, what: str) -> OSError:
     return OSError(err, f"{what} failed: {name} ({os.strerror(err)})")
 
 
+_new_result = tuple.__new__  # _new_result(ProbeResult, fields): no NamedTuple __new__ call
+
+
 def _empty_columns() -> ProbeColumns:
     return ProbeColumns([], [], [], [], [])
 
@@ -110,7 +113,7 @@ class _Batch:
         self.tokens = tokens
         self.paths = paths  # cdata over the caller's buffer (keeps it alive) or an owned copy
         self.reqs = reqs  # cdata struct pykvtier_statx_req[len(tokens)]
-        self.handed = np.zeros(len(tokens), dtype=bool)
+        self.handed = bytearray(len(tokens))  # 1 once the result was handed out
         self.left = len(tokens)  # results not yet handed out
 
 
@@ -337,11 +340,12 @@ class ExistenceProbe:
                 return None
         res = req.res
         if res:
-            result = ProbeResult(batch.tokens[index], None, -res, 0, 0)
+            result = _new_result(ProbeResult, (batch.tokens[index], None, -res, 0, 0))
         else:
             stx = req.stx
-            result = ProbeResult(batch.tokens[index], stx.stx_size, 0, stx.stx_mode, stx.stx_nlink)
-        batch.handed[index] = True
+            result = _new_result(ProbeResult, (batch.tokens[index], stx.stx_size, 0, stx.stx_mode,
+                                               stx.stx_nlink))
+        batch.handed[index] = 1
         batch.left -= 1
         self._unreturned -= 1
         if batch.left == 0:  # `req` points into its memory: read above, before this
@@ -406,8 +410,9 @@ class ExistenceProbe:
             if batch is None:  # every result of it was handed out by take()
                 fresh = np.zeros(len(idx), dtype=bool)
             else:
-                fresh = ~batch.handed[idx]
-                batch.handed[idx] = True
+                handed_flags = np.frombuffer(batch.handed, dtype=bool)
+                fresh = ~handed_flags[idx]
+                handed_flags[idx] = True
                 handed = int(fresh.sum())
                 batch.left -= handed
                 self._unreturned -= handed

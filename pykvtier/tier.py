@@ -673,7 +673,10 @@ class DiskTier:
                 if r is None:
                     return LookupResult.RETRY
                 self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, time.monotonic())
-                return self._lookup_digest(digest)
+                if digest in self._index:  # it was not before: the probe found the block
+                    return LookupResult.HIT
+                # not found: a MISS for probe_ttl_s (0: expired already, probed again)
+                return LookupResult.MISS if self.probe_ttl_s > 0 else self._lookup_digest(digest)
         if digest in self._probe_wanted:
             return LookupResult.RETRY
         expiry = self._probe_misses.get(digest)

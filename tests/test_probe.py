@@ -765,3 +765,22 @@ def test_probe_storm_bench_runs_and_checks_its_answers(tmp_path):
         # step 1 asks all 300 (RETRY), later steps only the keys still unanswered
         assert r["steps"] >= 2 and len(r["lookup_ns"]) >= 300 + 1
     assert not (tmp_path / "bench").exists()  # removed without --keep
+
+
+def test_a_lookup_that_applies_its_probe_answers_as_the_index_would(root):
+    for ttl, after in ((3600, MISS), (0, RETRY)):  # 0: the MISS expired at once: probed again
+        tier = DiskTier(os.path.join(root, str(ttl)), BS, shared=True, probe_ttl_s=ttl)
+        try:
+            with open(_block_file(tier, b"there"), "wb") as f:
+                f.truncate(BS + HEADER_BYTES)
+            assert [tier.lookup(k) for k in (b"there", b"absent")] == [RETRY, RETRY]
+            tier.on_step_end()
+            assert tier._probe.wait_completed(timeout_s=60)
+            assert [tier.lookup(k) for k in (b"there", b"absent")] == [HIT, after]
+            s = tier.stats()
+            assert s["probe_results_applied"] == 2 and s["probe_hits"] == 1
+            tier.on_step_end()
+            assert tier.stats()["probes"] == (2 if ttl else 3)
+            tier.drain()
+        finally:
+            tier.shutdown()
