@@ -933,14 +933,15 @@ class DiskTier:
             self._fs_checked_at = now
         return self._fs_free - self.min_free_bytes
 
-    def _take_victims(self, n: int) -> list[bytes]:
-        """Evicts up to n least recently used blocks not being read: out of the LRU, REMOVING
-        (their files are still there), counted. Returns their digests."""
+    def _take_victims(self, n: int, keep: Iterable[bytes] = ()) -> list[bytes]:
+        """Evicts up to n least recently used blocks not being read (nor in ``keep``): out of
+        the LRU, REMOVING (their files are still there), counted. Returns their digests."""
         victims: list[bytes] = []
+        keep = set(keep)
         for digest in self._lru:
             if len(victims) >= n:
                 break
-            if self._index[digest].readers or digest in self._loading:
+            if self._index[digest].readers or digest in self._loading or digest in keep:
                 continue
             victims.append(digest)
         for d in victims:
@@ -951,13 +952,13 @@ class DiskTier:
             self._removed.extend(victims)
         return victims
 
-    def _evict(self, need_bytes: int) -> int | None:
+    def _evict(self, need_bytes: int, keep: Iterable[bytes] = ()) -> int | None:
         """Removes least recently used blocks not being read until need_bytes are freed;
         returns the engine job id of their unlinks (None: nothing to evict). The files are
         unlinked asynchronously by the engine; their bytes stop counting at once (the names
         are REMOVING until then: a store of such a key fails meanwhile). A file whose unlink
         fails is counted again and retried (a leftover)."""
-        victims = self._take_victims(-(-need_bytes // self.file_bytes))
+        victims = self._take_victims(-(-need_bytes // self.file_bytes), keep)
         if not victims:
             return None
         self._used_bytes -= len(victims) * self.file_bytes
@@ -1094,7 +1095,7 @@ class DiskTier:
         caller's job is reported after that. False (the keys failed) when nothing can be
         evicted."""
         self._fs_checked_at = -math.inf  # free space is not what it was estimated to be
-        eid = self._evict(len(no_space) * self.file_bytes)
+        eid = self._evict(len(no_space) * self.file_bytes, keep=pend.digests)  # not its own
         if eid is None:
             for i, res in no_space:
                 self._store_failed(pend.digests[i], res)

@@ -408,3 +408,26 @@ def test_enospc_without_enough_blocks_to_evict_fails_exactly_the_rest(small_fs, 
         f"pykvtier: {root}: 2 stores failed ({enospc}; e.g. "
         f"{tier.layout.block_path(key_digest(keys[2]))}); 30 stores refused ({why}; e.g. {root})",
     ]
+
+
+@pytest.mark.parametrize("engine", ["uring", "posix"])
+def test_a_retry_never_evicts_the_jobs_own_blocks(small_fs, make_tier, arena, clock, engine):
+    """Room for one block and one old block to evict: of a job's three stores the first is
+    written, the other two meet ENOSPC; the retry evicts the old block only (not the job's own
+    first block), so one more is written and the last fails."""
+    tier = make_tier(os.path.join(small_fs, "tier"), engine=engine, min_free_bytes=0,
+                     queue_depth=1)
+    a = fill(arena(3, BS), 7)
+    tier.set_arena(a)
+    assert run(tier, 1, [b"old"], [0]).success is True
+    filler = fill_up(small_fs)
+    os.truncate(filler, os.path.getsize(filler) - FB)  # room for exactly one block file
+    assert free_bytes(small_fs) == FB
+    k = [b"own-0", b"own-1", b"own-2"]
+    res = run(tier, 2, k, [0, 1, 2])
+    assert res.successful_keys == k[:2]
+    assert res.failed_keys == {k[2]: "ENOSPC: No space left on device"}
+    assert [tier.lookup(x) for x in [b"old"] + k] == [MISS, HIT, HIT, MISS]
+    s = tier.stats()
+    assert (s["store_retries"], s["evictions"], s["store_failures"]) == (2, 1, 1)
+    assert tier.num_blocks == 2 and tier.used_bytes == 2 * FB
