@@ -221,8 +221,9 @@ def _as_key(key: Any) -> bytes:
 #: (one step's worth) goes out in one io_uring_submit.
 _PROBE_RING_ENTRIES = 4096
 #: Completed probe results get_finished_jobs() applies at most per call (lookup() applies only
-#: its own key's, on_step_end() all): no single call pays for a whole storm.
-_FINISHED_PROBE_SLICE = 256
+#: its own key's, on_step_end() all): a storm of one ring's worth is applied before the next
+#: step's lookups, a larger one is spread over calls.
+_FINISHED_PROBE_SLICE = _PROBE_RING_ENTRIES
 
 
 def _packed_block_paths(layout: Layout, digests: list[bytes]) -> tuple[Any, int]:

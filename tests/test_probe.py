@@ -718,11 +718,15 @@ def test_probe_storm_resolves_every_key_exactly(root):
 
 
 def test_a_lookup_applies_at_most_its_own_probe_result_get_finished_jobs_a_slice(root):
-    tier, keys, present, _arena, _src = _storm(root, 1000, 4)
+    from pykvtier.tier import _FINISHED_PROBE_SLICE
+
+    n = _FINISHED_PROBE_SLICE + 904  # more than one slice (and more than the SQ ring holds)
+    tier, keys, present, _arena, _src = _storm(root, n, 4)
     try:
         for k in keys:
             tier.lookup(k)
         tier.on_step_end()
+        assert tier._probe.submits == 2  # the 4096-entry ring took the batch in two submits
         assert tier._probe.wait_completed(timeout_s=60)
         applied = tier.stats()["probe_results_applied"]
         assert tier.lookup(b"pool-0") is HIT_PENDING  # known block (being loaded): nothing
@@ -732,15 +736,13 @@ def test_a_lookup_applies_at_most_its_own_probe_result_get_finished_jobs_a_slice
         assert tier.lookup(keys[999]) is HIT
         assert tier.stats()["probe_results_applied"] == 2
         tier.get_finished_jobs()  # a bounded slice
-        assert tier.stats()["probe_results_applied"] == 2 + 256
-        tier.get_finished_jobs()
-        assert tier.stats()["probe_results_applied"] == 2 + 512
+        assert tier.stats()["probe_results_applied"] == 2 + _FINISHED_PROBE_SLICE
         tier.on_step_end()  # the rest, and submits b"never-seen"
         s = tier.stats()
-        assert s["probe_results_applied"] == 1000 and s["probe_hits"] == len(present) == 334
-        assert s["probes"] == 1001
+        assert s["probe_results_applied"] == n and s["probe_hits"] == len(present) == (n + 2) // 3
+        assert s["probes"] == n + 1
         assert [tier.lookup(k) for k in keys] == [HIT if k in present else MISS for k in keys]
-        assert tier.stats()["probe_results_applied"] == 1000  # all from the index now
+        assert tier.stats()["probe_results_applied"] == n  # all from the index now
         tier.drain()
     finally:
         tier.shutdown()
