@@ -73,6 +73,10 @@ BackendName = Literal["io_uring", "stat"]
 #: Largest SQ ring the kernel accepts without clamping (``IORING_MAX_ENTRIES``).
 MAX_ENTRIES = 32768
 
+#: Completions one :meth:`ExistenceProbe.take` reaps at most (the rest wait for the next
+#: take, poll or wait).
+TAKE_REAP_MAX = 64
+
 _TICKET_BITS = 32  # a ticket is (batch number << 32) | index in the batch
 _INDEX_MASK = (1 << _TICKET_BITS) - 1
 
@@ -312,8 +316,9 @@ class ExistenceProbe:
         """The result of one probe if it completed, else ``None``; never waits.
 
         When this probe's completion was not reaped yet and the CQ ring holds completions,
-        reaps them all (one call into C). The result is then handed out: :meth:`poll` will
-        not return it.
+        reaps up to :data:`TAKE_REAP_MAX` of them, oldest first (one call into C): a take
+        never pays for a whole batch; ``None`` then when this probe's was not among them. The
+        result is then handed out: :meth:`poll` will not return it.
 
         Raises:
             KeyError: ``ticket`` is not a probe in flight (unknown, or its result was
@@ -335,7 +340,7 @@ class ExistenceProbe:
         if not req.done:
             if self._cq_tail[0] == self._cq_head[0]:  # no CQE waiting (overflow: ring full)
                 return None
-            self._reap()
+            self._reap(TAKE_REAP_MAX)
             if not req.done:
                 return None
         res = req.res
@@ -594,15 +599,16 @@ class ExistenceProbe:
         if rc < 0:
             raise _os_error(-rc, "io_uring_submit")
 
-    def _reap(self) -> int:
-        """Move every available CQE into the reap arrays, without blocking (one call into
-        C); return the count."""
+    def _reap(self, max_cqes: int | None = None) -> int:
+        """Move every available CQE (at most `max_cqes`) into the reap arrays, without
+        blocking (one call into C); return the count."""
         if not self._unreaped:
             return 0
         self._make_room(self._unreaped)
         c = self._out_count
+        room = self._out_capacity - c
         n = self._lib.pykvtier_statx_reap(self._ring, self._mask, self._reap_out, c,
-                                          self._out_capacity - c)
+                                          room if max_cqes is None else min(room, max_cqes))
         self._out_count = c + n
         self._unreaped -= n
         return n

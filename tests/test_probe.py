@@ -554,6 +554,26 @@ def test_take_answers_one_ticket_exactly_once(any_probe, tmp_path):
         any_probe.take(first)
 
 
+def test_take_reaps_a_bounded_number_of_completions(uring_module, tmp_path):
+    _write(tmp_path / "p", 3)
+    paths = [os.fsencode(tmp_path / ("p" if i % 2 else f"absent{i}")) for i in range(1000)]
+    blob, stride = _packed(paths)
+    with _make_probe("io_uring", entries=1024) as probe:
+        first = probe.submit_packed(list(range(1000)), blob, stride)
+        assert probe._lib.pykvtier_wait(probe._ring, 1000, -1) == 0  # all in the CQ, none reaped
+        r = probe.take(first + 999)
+        assert probe._out_count - probe._out_pos == probe_module.TAKE_REAP_MAX == 64
+        assert probe._unreaped == 1000 - 64
+        if r is None:  # its completion was not among the 64 oldest
+            assert not probe._batches[first >> 32].reqs[999].done
+        else:
+            assert r == (999, 3, 0, r.mode, 1)
+        rest = probe.poll()
+        assert len(rest) == 1000 - (r is not None) and probe.in_flight == 0
+        results = _by_token(rest + ([r] if r is not None else []))
+    assert results == {i: (3, 0) if i % 2 else (None, errno.ENOENT) for i in range(1000)}
+
+
 def test_submit_packed_rejects_bad_buffers(any_probe):
     with pytest.raises(ValueError, match="stride"):
         any_probe.submit_packed(["a"], b"/x\0", 0)
