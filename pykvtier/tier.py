@@ -142,6 +142,7 @@ _MAX_BLOCK_BYTES = getattr(_native, "MAX_REQUEST_BYTES", 1 << 30)  # the engines
 _MAX_INFLIGHT_BYTES = 1 << 48  # a bound the engines' uint64 byte budgets never overflow at
 _NO_SPACE = (-errno.ENOSPC, -errno.EDQUOT)  # a store meeting these evicts and is retried once
 _FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between are counted)
+_NO_FS_FIGURES = 1 << 62  # free bytes assumed where the file system reports no sizes
 _LEFTOVER_RETRY_S = 1.0  # removal of leftover files retried at most this often
 _WARN_INTERVAL_S = 5.0  # per-key failures: one aggregated WARNING line at most this often
 _now = time.monotonic  # the clock of the three above
@@ -927,6 +928,11 @@ class DiskTier:
                 st = os.statvfs(self.layout.blocks_dir)
             except OSError as exc:
                 logger.debug("pykvtier: statvfs(%s): %s", self.layout.blocks_dir, exc)
+                st = None
+            if st is None or st.f_blocks == 0:
+                # No space figures (statvfs failed, or a file system that reports none: ramfs,
+                # some FUSE layers): the reserve cannot be kept; ENOSPC handling still applies.
+                self._fs_free = _NO_FS_FIGURES
             else:
                 unlinking = sum(map(len, self._evicting.values()))
                 self._fs_free = (st.f_bavail * st.f_frsize

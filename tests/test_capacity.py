@@ -431,3 +431,40 @@ def test_a_retry_never_evicts_the_jobs_own_blocks(small_fs, make_tier, arena, cl
     s = tier.stats()
     assert (s["store_retries"], s["evictions"], s["store_failures"]) == (2, 1, 1)
     assert tier.num_blocks == 2 and tier.used_bytes == 2 * FB
+
+
+@pytest.fixture
+def ramfs_root():
+    """A ramfs (statvfs reports 0 blocks; O_DIRECT refused), unmounted afterwards."""
+    where = tempfile.mkdtemp(prefix="pykvtier-ramfs-")
+    r = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", where],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(where)
+        pytest.skip(f"cannot mount a ramfs at {where}: {r.stderr.strip() or r.returncode} "
+                    "(needs root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], check=False)
+        os.rmdir(where)
+
+
+@pytest.mark.parametrize("engine", ["uring", "posix"])
+def test_a_file_system_without_space_figures_stores(ramfs_root, make_tier, arena, engine):
+    # ramfs's statvfs says 0 blocks of 0 bytes: the reserve cannot be kept there, and the tier
+    # must not read that as "no room" (it refused every store before).
+    assert os.statvfs(ramfs_root).f_blocks == 0
+    tier = make_tier(ramfs_root, engine=engine)
+    assert tier.direct is False
+    a = arena(8, BS)
+    tier.set_arena(a)
+    keys = [b"ramfs-%d" % i for i in range(4)]
+    fill(a[:4], 11)
+    want = a[:4].copy()
+    res = run(tier, 1, keys, range(4))
+    assert (res.success, res.failed_keys) == (True, {})
+    assert tier.num_blocks == 4
+    res = run(tier, 2, keys, range(4, 8), load=True)
+    assert (res.success, res.failed_keys) == (True, {})
+    assert np.array_equal(a[4:8], want)
