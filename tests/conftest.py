@@ -15,6 +15,8 @@ Fixtures
     array (``fill``: an int seed of random bytes, or None for zeros).
     ``arena``: ``arena(num_slots, slot_bytes, align=4096)`` -> a page-aligned 2-D uint8 array
     ``(num_slots, slot_bytes)``, zero-filled (``DiskTier.set_arena`` infers ``slot_bytes``).
+    ``make_tier``: ``make_tier(root, **kw)`` -> a DiskTier (``block_size_bytes`` defaults to the
+    test module's ``BS``), shut down at the end of the test.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from pykvtier import _native
+from pykvtier import DiskTier, _native
 
 ENV_ROOT = "PYKVTIER_TEST_ROOT"
 
@@ -113,6 +115,21 @@ def arena() -> Callable[..., np.ndarray]:
         return page_aligned(num_slots * slot_bytes, align).reshape(num_slots, slot_bytes)
 
     return make
+
+
+@pytest.fixture
+def make_tier(request: pytest.FixtureRequest) -> Iterator[Callable[..., DiskTier]]:
+    made: list[DiskTier] = []
+
+    def make(root: str, **kw) -> DiskTier:
+        kw.setdefault("block_size_bytes", request.module.BS)
+        t = DiskTier(root, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.shutdown()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

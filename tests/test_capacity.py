@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -45,19 +46,6 @@ def clock(monkeypatch) -> Clock:
     return c
 
 
-@pytest.fixture
-def make_tier():
-    made: list[DiskTier] = []
-
-    def make(root, **kw) -> DiskTier:
-        kw.setdefault("block_size_bytes", BS)
-        t = DiskTier(root, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.shutdown()
 
 
 def fill(arr: np.ndarray, seed: int) -> np.ndarray:
@@ -227,21 +215,26 @@ def test_the_bounce_engine_reports_its_host_engines_leftovers(root, chattr, alig
 # ------------------------------------------------------------------------- item 8: full disks
 
 
-@pytest.fixture
-def small_fs():
-    """A tmpfs of 4 MiB (1024 pages; a block file is 17 pages), unmounted afterwards."""
-    where = tempfile.mkdtemp(prefix="pykvtier-small-fs-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", where],
+def _mounted(fstype: str, options: str) -> Iterator[str]:
+    """A fresh mount of ``fstype`` with ``options`` in a temporary directory, unmounted after."""
+    where = tempfile.mkdtemp(prefix=f"pykvtier-{fstype}-")
+    r = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, where],
                        capture_output=True, text=True)
     if r.returncode != 0:
         os.rmdir(where)
-        pytest.skip(f"cannot mount a tmpfs at {where}: {r.stderr.strip() or r.returncode} "
+        pytest.skip(f"cannot mount a {fstype} at {where}: {r.stderr.strip() or r.returncode} "
                     "(needs root)")
     try:
         yield where
     finally:
         subprocess.run(["umount", "-l", where], check=False)
         os.rmdir(where)
+
+
+@pytest.fixture
+def small_fs():
+    """A tmpfs of 4 MiB (1024 pages; a block file is 17 pages)."""
+    yield from _mounted("tmpfs", "size=4m,mode=0700")
 
 
 def free_bytes(path: str) -> int:
@@ -435,19 +428,8 @@ def test_a_retry_never_evicts_the_jobs_own_blocks(small_fs, make_tier, arena, cl
 
 @pytest.fixture
 def ramfs_root():
-    """A ramfs (statvfs reports 0 blocks; O_DIRECT refused), unmounted afterwards."""
-    where = tempfile.mkdtemp(prefix="pykvtier-ramfs-")
-    r = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", where],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        os.rmdir(where)
-        pytest.skip(f"cannot mount a ramfs at {where}: {r.stderr.strip() or r.returncode} "
-                    "(needs root)")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", where], check=False)
-        os.rmdir(where)
+    """A ramfs (statvfs reports 0 blocks; O_DIRECT refused)."""
+    yield from _mounted("ramfs", "mode=0700")
 
 
 @pytest.mark.parametrize("engine", ["uring", "posix"])

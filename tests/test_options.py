@@ -20,19 +20,6 @@ BS = 64 << 10
 FB = BS + HEADER_BYTES
 
 
-@pytest.fixture
-def make_tier():
-    made: list[DiskTier] = []
-
-    def make(root, **kw) -> DiskTier:
-        kw.setdefault("block_size_bytes", BS)
-        t = DiskTier(root, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.shutdown()
 
 
 def fill(arr: np.ndarray, seed: int) -> np.ndarray:

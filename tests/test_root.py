@@ -27,19 +27,6 @@ FB = BS + HEADER_BYTES
 # ------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def make_tier():
-    made: list[DiskTier] = []
-
-    def make(root, **kw) -> DiskTier:
-        kw.setdefault("block_size_bytes", BS)
-        t = DiskTier(root, **kw)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.shutdown()
 
 
 def fill(arr: np.ndarray, seed: int) -> np.ndarray:
