@@ -509,7 +509,7 @@ def read_root_config(root: str | os.PathLike) -> dict | None:
         os.close(fd)
     try:
         cfg = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise ValueError(f"root marker {path} is not JSON ({exc})") from None
     if not isinstance(cfg, dict) or cfg.get("format") != ROOT_FORMAT:
         raise ValueError(f"root marker {path}: unknown format (expected "
@@ -792,6 +792,10 @@ def lock_root(root: str | os.PathLike, shared: bool, *, file_mode: int = 0o600) 
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"root {root}: its lock file {path} is not a regular file")
+        nlink = os.fstat(fd).st_nlink
+        if nlink != 1:  # the pid hint below would be written into a file outside the root
+            raise ValueError(f"root {root}: its lock file {path} has {nlink} hard links (one "
+                             "may be outside the root); remove it")
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
