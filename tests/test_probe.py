@@ -806,3 +806,26 @@ def test_a_lookup_that_applies_its_probe_answers_as_the_index_would(root):
             tier.drain()
         finally:
             tier.shutdown()
+
+
+def test_tier_probe_on_the_lstat_fallback(root, tmp_path, monkeypatch):
+    """Where io_uring is unavailable the tier's probe is os.lstat: the same answers."""
+    monkeypatch.setitem(sys.modules, "pykvtier._uring", None)
+    monkeypatch.setattr(probe_module, "_fallback_logged", False)
+    tier = DiskTier(root, BS, shared=True, probe_ttl_s=3600)
+    try:
+        assert tier._probe.backend == "stat"
+        with open(_block_file(tier, b"there"), "wb") as f:
+            f.truncate(BS + HEADER_BYTES)
+        outside = tmp_path / "outside"
+        _write(outside, BS + HEADER_BYTES)
+        os.symlink(outside, _block_file(tier, b"link"))
+        keys = [b"there", b"link", b"absent"]
+        assert [tier.lookup(k) for k in keys] == [RETRY] * 3
+        tier.on_step_end()
+        assert [tier.lookup(k) for k in keys] == [HIT, MISS, MISS]
+        s = tier.stats()
+        assert s["probes"] == 3 and s["probe_hits"] == 1 and s["probe_results_applied"] == 3
+        assert not tier.has_pending_work()
+    finally:
+        tier.shutdown()
