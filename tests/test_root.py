@@ -435,7 +435,7 @@ lock.release()
 @pytest.mark.parametrize("child_shared", [False, True])
 def test_lock_held_by_another_process_names_its_pid(root, make_tier, child_shared):
     make_tier(root).shutdown()
-    child = subprocess.Popen([sys.executable, "-c", _HOLDER, root,
+    child = subprocess.Popen([sys.executable, "-P", "-c", _HOLDER, root,
                               "shared" if child_shared else "exclusive"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -415,7 +415,7 @@ def test_shared_instance_refused_by_an_exclusive_one_in_another_process(root, st
     (ns,) = s.tier.namespace_dirs
     s.m.shutdown()  # the lock is let go with the tier: another process takes it
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pykvtier import DiskTier; "
+        [sys.executable, "-P", "-c", "import sys; from pykvtier import DiskTier; "
          f"t = DiskTier({ns!r}, {BLOCK}); print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
