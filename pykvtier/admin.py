@@ -621,6 +621,8 @@ def gc(root: str | os.PathLike, capacity_bytes: int) -> dict[str, Any]:
     negative capacity."""
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
         raise ValueError(f"capacity_bytes must be a byte count >= 0, got {capacity_bytes!r}")
+    from .layout import Layout
+
     path = _open_root(root)
     with _locked(path, shared=False):
         blocks = sorted(_scan(path).blocks, key=lambda b: (b.mtime_ns, b.path))
@@ -630,11 +632,17 @@ def gc(root: str | os.PathLike, capacity_bytes: int) -> dict[str, Any]:
                                "removed": {"blocks": 0, "bytes": 0}, "failures": [],
                                "use_from": _MTIME_NOTE}
         kept = total
+        lay = Layout(path, make_dirs=False)
         for b in blocks:
             if kept <= capacity_bytes:
                 break
-            try:
-                os.unlink(b.path)
+            try:  # relative to the real fan-out (O_NOFOLLOW): a link put there since the scan
+                fan, name = os.path.split(b.path)  # fails ELOOP, nothing outside is removed
+                dfd = lay.open_dir("blocks", os.path.basename(fan))
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
             except FileNotFoundError:
                 kept -= b.size
                 continue

@@ -145,3 +145,40 @@ def test_fanouts_swapped_for_links_while_evicting_touch_nothing_outside(root, tm
     assert {p for p in planted if p not in now} == set()  # none deleted
     assert {p for p in now if p not in planted} == set()  # none added
     assert {p for p in planted if now[p] != planted[p]} == set()  # none changed
+
+
+def test_gc_removes_through_the_real_fanout_not_a_link_swapped_in_after_its_scan(
+        root, tmp_path, monkeypatch):
+    """`pykvtier gc` lists the blocks, then removes them. A fan-out swapped for a link to an
+    outside directory in between (here: right after the scan) must not make gc delete the
+    outside files of the same names (the removal fails, naming the path)."""
+    from pykvtier import TransferJob, admin, host_arena
+
+    tier = DiskTier(root, BS)
+    arena = host_arena(1, BS)
+    tier.set_arena(arena)
+    tier.submit_store(TransferJob(1, [b"gc-key"], [0]))
+    tier.drain()
+    (res,) = tier.get_finished_jobs()
+    assert res.success
+    path = tier.layout.block_path(layout.key_digest(b"gc-key"))
+    tier.shutdown()
+    fan = os.path.dirname(path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / os.path.basename(path)).write_bytes(b"OUTSIDE")
+    real_scan = admin._scan
+
+    def scan_then_swap(r):
+        s = real_scan(r)
+        os.rename(fan, fan + ".real")
+        os.symlink(str(outside), fan)
+        return s
+
+    monkeypatch.setattr(admin, "_scan", scan_then_swap)
+    out = admin.gc(root, 0)
+    assert (outside / os.path.basename(path)).read_bytes() == b"OUTSIDE"
+    assert os.listdir(fan + ".real") == [os.path.basename(path)]
+    assert out["removed"] == {"blocks": 0, "bytes": 0}
+    assert out["failures"] == [{"path": path, "error": "Not a directory"}]
+    assert out["kept"] == {"blocks": 1, "bytes": BS + layout.HEADER_BYTES}
