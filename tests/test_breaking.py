@@ -182,3 +182,25 @@ def test_gc_removes_through_the_real_fanout_not_a_link_swapped_in_after_its_scan
     assert out["removed"] == {"blocks": 0, "bytes": 0}
     assert out["failures"] == [{"path": path, "error": "Not a directory"}]
     assert out["kept"] == {"blocks": 1, "bytes": BS + layout.HEADER_BYTES}
+
+
+@pytest.mark.parametrize("argv", [["gc", "", "--capacity", "0"], ["du", ""], ["fsck", ""],
+                                  ["quarantine", "", "--empty"]])
+def test_operators_commands_refuse_an_empty_root(root, monkeypatch, capsys, argv):
+    """An empty ROOT argument was the current directory (realpath('')): `pykvtier gc ''
+    --capacity 0` run inside a root removed all its blocks. Refused as DiskTier refuses
+    root_dir='' (exit 2, nothing removed)."""
+    from pykvtier import TransferJob, cli, host_arena
+
+    tier = DiskTier(root, BS)
+    tier.set_arena(host_arena(1, BS))
+    tier.submit_store(TransferJob(1, [b"cwd-key"], [0]))
+    tier.drain()
+    assert tier.get_finished_jobs()[0].success
+    path = tier.layout.block_path(layout.key_digest(b"cwd-key"))
+    tier.shutdown()
+    monkeypatch.chdir(root)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"pykvtier {argv[0]}: root '' is empty (it would mean the current directory)\n")
+    assert os.path.getsize(path) == BS + layout.HEADER_BYTES
