@@ -33,6 +33,7 @@ import shutil
 import stat
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 
 from . import _native
@@ -665,6 +666,18 @@ class RootLockedError(ValueError):
             "itself; shared=True tiers share a root with each other only")
 
 
+def _drop_locks_in_child() -> None:
+    """After fork(): the child closes its copies of the lock descriptors (the flock stays the
+    parent's; a child that kept them would keep the root locked after the parent's shutdown)."""
+    for lock in list(_held_locks):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class RootLock:
     """A held flock on ``ROOT/.pykvtier.lock`` (shared or exclusive), held until
     :meth:`release` (or the object is collected). The lock file is never removed."""
@@ -674,6 +687,7 @@ class RootLock:
         self.path = os.path.join(root, LOCK_NAME)
         self.shared = shared
         self._fd: int | None = fd
+        _held_locks.add(self)
 
     @property
     def held(self) -> bool:
@@ -714,6 +728,10 @@ class RootLock:
             return [p for p, _ in _flock_holders(fd)]
         finally:
             os.close(fd)
+
+
+_held_locks: weakref.WeakSet[RootLock] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 def _flock_holders(fd: int) -> list[tuple[int, bool]]:

@@ -204,3 +204,25 @@ def test_operators_commands_refuse_an_empty_root(root, monkeypatch, capsys, argv
     assert capsys.readouterr().err == (
         f"pykvtier {argv[0]}: root '' is empty (it would mean the current directory)\n")
     assert os.path.getsize(path) == BS + layout.HEADER_BYTES
+
+
+def test_a_forked_child_does_not_keep_the_root_locked(root):
+    """A process forks (multiprocessing's default start method on Linux) while its tier holds
+    the root; after shutdown() the root must open again although the child still runs (the
+    child's copy of the lock descriptor kept the flock: RootLockedError naming this process)."""
+    tier = DiskTier(root, BS)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: wait until the parent is done, then leave at once
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        tier.shutdown()
+        again = DiskTier(root, BS)
+        again.shutdown()
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert layout.RootLock.holders(root) == []
