@@ -578,7 +578,7 @@ def run_replay(
         if os.path.exists(root) and not os.path.isdir(root):
             raise ReplayConfigError(f"cannot open the tier at {root}: not a directory")
         try:
-            os.makedirs(root, exist_ok=True)
+            os.makedirs(root, 0o700, exist_ok=True)
         except OSError as exc:
             raise ReplayConfigError(f"cannot open the tier at {root}: {exc.strerror}") from exc
 

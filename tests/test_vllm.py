@@ -332,6 +332,8 @@ def test_importing_pykvtier_does_not_import_vllm():
     ({"min_free_bytes": "5%"}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got '5%'"),
     ({"min_free_bytes": 1.5}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got 1.5"),
     ({"min_free_bytes": False}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got False"),
+    ({"direct": "no"}, r"PyKVTier: direct must be true, false, null or \"auto\", got 'no'"),
+    ({"direct": 1}, r"PyKVTier: direct must be true, false, null or \"auto\", got 1"),
 ])
 def test_bad_config_is_a_clear_error(root, bad, match):
     cfg = {**tier_config(root), **bad}
@@ -339,6 +341,21 @@ def test_bad_config_is_a_clear_error(root, bad, match):
     arr = aligned_rows(4)
     with pytest.raises(ValueError, match=match):
         SecondaryTierFactory.create_secondary_tier(cfg, memoryview(arr), spec)
+    if "direct" in bad:  # refused before any directory is made
+        assert not os.path.exists(os.path.join(root, "pykvtier"))
+
+
+def test_direct_auto_is_the_file_systems_choice(root):
+    cfg = {**tier_config(root), "direct": "auto"}
+    spec = OffloadingSpecFactory.create_spec(offloading_config([cfg]))
+    tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(aligned_rows(4)), spec)
+    try:
+        from pykvtier import _native
+
+        want = bool(_native.probe_direct(root)["direct"])
+        assert tier.direct is want
+    finally:
+        tier.shutdown()
 
 
 def _modes(tier: PyKVTier) -> dict[str, int]:

@@ -326,6 +326,10 @@ class PyKVTier(SecondaryTierManager):
         queue_depth = _number(options, "queue_depth", 64, int)
         max_inflight_bytes = _number(options, "max_inflight_bytes", 256 << 20, int)
         direct = options.get("direct")
+        if direct == "auto":
+            direct = None
+        if direct is not None and not isinstance(direct, bool):
+            raise ValueError(f"PyKVTier: direct must be true, false, null or \"auto\", got {direct!r}")
         fsync = _flag(options, "fsync", False)
         shared = _flag(options, "shared", False)
         probe_ttl_s = _number(options, "probe_ttl_s", 1.0, float)
