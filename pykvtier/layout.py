@@ -139,6 +139,8 @@ def _canonical_root(root_dir: str | os.PathLike) -> str:
         p = os.fsdecode(p)
     if not p:
         raise ValueError("root_dir must not be empty (it would mean the current directory)")
+    if "\0" in p:
+        raise ValueError(f"root_dir {p!r} contains a NUL byte (no path can)")
     return os.path.realpath(p)
 
 
@@ -512,7 +514,8 @@ def read_root_config(root: str | os.PathLike) -> dict | None:
         cfg = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise ValueError(f"root marker {path} is not JSON ({exc})") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != ROOT_FORMAT:
+    fmt = cfg.get("format") if isinstance(cfg, dict) else None
+    if isinstance(fmt, bool) or fmt != ROOT_FORMAT:  # (True == 1 in Python)
         raise ValueError(f"root marker {path}: unknown format (expected "
                          f'{{"format": {ROOT_FORMAT}, "block_size_bytes": N}}, got {raw[:200]!r})')
     bs = cfg.get("block_size_bytes")

@@ -299,12 +299,18 @@ def test_root_without_marker_takes_the_size_of_its_blocks(root, make_tier, arena
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"format": 2, "block_size_bytes": 4096}',
-                                  '{"format": 1, "block_size_bytes": "big"}', "[1]"])
+                                  '{"format": 1, "block_size_bytes": "big"}', "[1]",
+                                  '{"format": true, "block_size_bytes": 65536}'])
 def test_malformed_marker_is_named(root, text):
     with open(os.path.join(root, "pykvtier-root.json"), "w") as f:
         f.write(text)
     with pytest.raises(ValueError, match=f"root marker {os.path.realpath(root)}/pykvtier-root.json"):
         DiskTier(root, BS)
+
+
+def test_root_dir_with_a_nul_byte_is_named():
+    with pytest.raises(ValueError, match=r"root_dir '/tmp/a\\x00b' contains a NUL byte"):
+        DiskTier("/tmp/a\0b", BS)
 
 
 def _fill_quarantine(root: str, n: int, first_stamp: int = 1000) -> list[str]:
