@@ -39,7 +39,6 @@ enum Stage : uint64_t {
   kRecycle = 7,  // rename of a recycled file to the temporary name (not an error of the request)
   kStatx = 8,    // statx of the temporary after that rename: is it a reusable block file?
   kRestore = 9,  // rename of a victim that is not a reusable block file back to its name
-  kCheck = 10,   // an O_PATH open (and its close) proving a path has no link before it is used
   kLinks = 11,   // read_block: statx of the opened path (a hard-linked block file is refused)
   kReread = 12,  // a read's re-read of what a short read left out
   kDirSync = 13, // fsync=True: fsync of one directory of the job's renames (sub: which)
@@ -50,6 +49,8 @@ constexpr uint64_t kMaxIoBytes = 1ull << 30;  // per-SQE limit (CQE res is int32
 constexpr uint64_t kMaxFixedChunk = 1ull << 30;  // the kernel's limit per registered buffer
 
 constexpr unsigned kMaxRereads = 8;  // re-reads of one request after short reads
+constexpr uint32_t kPreFailed = 1u << 31;  // sub bit: a NOP standing in for an op never issued
+constexpr size_t kMaxDirFds = 4096;        // cached directory descriptors per ring (then cleared, idle)
 // user_data: sub (bits 32..63: which directory, which check) | slot | stage
 uint64_t encode(uint32_t slot, Stage stage, uint32_t sub = 0) {
   return (uint64_t(sub) << 32) | (uint64_t(slot) << kStageBits) | stage;
@@ -130,6 +131,50 @@ Ring::~Ring() {
   }
   io_uring_queue_exit(&ring_);
   free(headers_);
+  for (auto& kv : dir_fds_) ::close(kv.second);
+}
+
+// The link-free descriptor of directory dir (cached), or -errno (ELOOP: a link in its path).
+int Ring::dir_fd(const std::string& dir) {
+  auto it = dir_fds_.find(dir);
+  if (it != dir_fds_.end()) {
+    struct stat st;
+    if (::fstat(it->second, &st) == 0 && st.st_nlink > 0) return it->second;
+    ::close(it->second);  // removed (perhaps made again): opened anew
+    dir_fds_.erase(it);
+  }
+  const int fd = open_no_links(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return -errno;
+  dir_fds_.emplace(dir, fd);
+  return fd;
+}
+
+// Where an *at() SQE names path: for block files (no_links) the cached link-free descriptor of
+// its directory and its base name (a pointer into path), else AT_FDCWD and path. 0 or -errno.
+int Ring::at(const Job& job, const std::string& path, int* dfd, const char** name) {
+  if (!no_links(job.op)) {
+    *dfd = AT_FDCWD;
+    *name = path.c_str();
+    return 0;
+  }
+  const int fd = dir_fd(dir_of(path));
+  if (fd < 0) return fd;
+  const size_t i = path.rfind('/');
+  *dfd = fd;
+  *name = path.c_str() + (i == std::string::npos ? 0 : i + 1);
+  return 0;
+}
+
+// A NOP in place of an op of stage that cannot be issued (its directory cannot be opened
+// without a link): its CQE is handled as that op's, with result err.
+void Ring::prep_failed(uint32_t slot, uint64_t stage, int err) {
+  Ctx& c = ctx_[slot];
+  c.pre_res = err;
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_nop(sqe);
+  io_uring_sqe_set_data64(sqe, encode(slot, Stage(stage), kPreFailed));
+  ++c.pending;
+  ++unsubmitted_;
 }
 
 void Ring::arm_wake() {
@@ -222,6 +267,10 @@ void Ring::record_error(Ctx& c, int stage, int64_t err) {
 }
 
 unsigned Ring::issue(Job& job) {
+  if (inflight_ == 0 && dir_fds_.size() > kMaxDirFds) {  // no SQE refers to them now
+    for (auto& kv : dir_fds_) ::close(kv.second);
+    dir_fds_.clear();
+  }
   const double now = monotonic_seconds();
   const bool store = op_is_write(job.op);
   if (job.next == 0 && job.start_time == 0) job.start_time = now;
@@ -278,10 +327,16 @@ void Ring::prep_chain(uint32_t slot) {
     ++unsubmitted_;
   };
 
-  if (job.op == Op::Unlink) {  // unlinkat resolves the directories again: none may be a link
-    prep_check(slot, r.path.c_str(), O_PATH | O_NOFOLLOW, 0);
+  int dfd;
+  const char* name;
+  if (int e = at(job, r.path, &dfd, &name)) {  // no directory without a link: nothing issued
+    if (job.op != Op::Unlink) c.open_failed = true;
+    prep_failed(slot, job.op == Op::Unlink ? kUnlink : kOpen, e);
+    return;
+  }
+  if (job.op == Op::Unlink) {  // relative to the link-free directory descriptor
     io_uring_sqe* sqe = get_sqe();
-    io_uring_prep_unlinkat(sqe, AT_FDCWD, r.path.c_str(), 0);
+    io_uring_prep_unlinkat(sqe, dfd, name, 0);
     finish_sqe(sqe, kUnlink, 0);
     return;
   }
@@ -303,14 +358,13 @@ void Ring::prep_chain(uint32_t slot) {
   // open -> [statx] -> [header] -> data -> [fsync] -> close, hard-linked so that the close
   // always runs and every stage reports its own result (a recycled file: after prep_recycle's
   // probe). Block files are opened with no link anywhere in their path (openat2).
-  prep_open(slot, flags);
+  if (!prep_open(slot, flags)) return;
   io_uring_sqe* sqe;
   if (job.op == Op::ReadBlock) {
     // The open's descriptor cannot be statx'ed in the ring (a fixed file): the path is. A
     // regular file of more than one link fails -EMLINK (its bytes, read meanwhile, are zeroed).
     sqe = get_sqe();
-    io_uring_prep_statx(sqe, AT_FDCWD, r.path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_NLINK,
-                        &c.stx);
+    io_uring_prep_statx(sqe, dfd, name, AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_NLINK, &c.stx);
     finish_sqe(sqe, kLinks, IOSQE_IO_HARDLINK);
   }
 
@@ -365,16 +419,23 @@ void Ring::prep_chain(uint32_t slot) {
   finish_sqe(sqe, kClose, 0);
 }
 
-void Ring::prep_open(uint32_t slot, int flags) {
+bool Ring::prep_open(uint32_t slot, int flags) {
   Ctx& c = ctx_[slot];
   Job& job = *c.job;
   Request& r = job.reqs[c.index];
+  int dfd;
+  const char* name;
+  if (int e = at(job, r.path, &dfd, &name)) {
+    if (c.phase == 0) c.open_failed = true;
+    prep_failed(slot, kOpen, e);
+    return false;
+  }
   c.how[0] = open_how{};
   c.how[0].flags = uint64_t(flags);
   c.how[0].mode = (flags & O_CREAT) ? job.file_mode : 0;
   c.how[0].resolve = no_links(job.op) ? kResolveNoLinks : 0;
   io_uring_sqe* sqe = get_sqe();
-  io_uring_prep_openat2_direct(sqe, AT_FDCWD, r.path.c_str(), &c.how[0], slot);
+  io_uring_prep_openat2_direct(sqe, dfd, name, &c.how[0], slot);
   io_uring_sqe_set_data64(sqe, encode(slot, kOpen));
   sqe->flags |= IOSQE_IO_HARDLINK;
   ++unsubmitted_;
@@ -382,27 +443,7 @@ void Ring::prep_open(uint32_t slot, int flags) {
     sqe->flags |= IOSQE_CQE_SKIP_SUCCESS;
   else
     ++c.pending;
-}
-
-// An O_PATH open of path with no link in its directories (flags: O_PATH | O_NOFOLLOW for an
-// entry, which may itself be a link; O_PATH | O_DIRECTORY for a directory) into the request's
-// slot, and its close, soft-linked (IOSQE_IO_LINK) to what the caller prepares next: if the
-// open fails (ELOOP, ENOENT) that is cancelled. sub 0/1: which of a request's two checks.
-void Ring::prep_check(uint32_t slot, const char* path, int flags, uint32_t sub) {
-  Ctx& c = ctx_[slot];
-  c.how[sub] = open_how{};
-  c.how[sub].flags = uint64_t(flags);
-  c.how[sub].resolve = kResolveNoLinks;
-  io_uring_sqe* sqe = get_sqe();
-  io_uring_prep_openat2_direct(sqe, AT_FDCWD, path, &c.how[sub], slot);
-  io_uring_sqe_set_data64(sqe, encode(slot, kCheck, sub * 2));
-  sqe->flags |= IOSQE_IO_LINK;
-  sqe = get_sqe();
-  io_uring_prep_close_direct(sqe, slot);
-  io_uring_sqe_set_data64(sqe, encode(slot, kCheck, sub * 2 + 1));
-  sqe->flags |= IOSQE_IO_LINK;
-  c.pending += 2;
-  unsubmitted_ += 2;
+  return true;
 }
 
 // A read that came back short (a buffered read stops before a bad sector, or the file was
@@ -425,7 +466,7 @@ void Ring::prep_reread(uint32_t slot) {
   c.err_stage = 99;
   c.phase = 8;
   ++c.rereads;
-  prep_open(slot, c.flags);
+  if (!prep_open(slot, c.flags)) return;
   io_uring_sqe* sqe = get_sqe();
   io_uring_prep_read(sqe, int(slot), buf + c.reread_pos, unsigned(len - c.reread_pos), file_off + c.reread_pos);
   io_uring_sqe_set_data64(sqe, encode(slot, kReread));
@@ -477,51 +518,60 @@ bool Ring::start_dirsync(uint32_t slot) {
 // Opening what the rename brought without that check could block forever (a FIFO), write
 // through a symlink out of the root, or leave a block file longer than a block.
 //
-// renameat resolves both paths again, following links in their directories: first the victim's
-// path and the temporary's directory are proven link-free (prep_check); if either is not, the
-// rename is cancelled and nothing is moved.
+// Both go relative to the link-free descriptors of the victim's and the temporary's directories;
+// if either cannot be opened without a link, nothing is issued or moved (check_res).
 void Ring::prep_recycle(uint32_t slot) {
   Ctx& c = ctx_[slot];
-  Request& r = c.job->reqs[c.index];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
   c.phase = 6;
-  c.check_dir = dir_of(r.path);
-  prep_check(slot, r.recycle.c_str(), O_PATH | O_NOFOLLOW, 0);
-  prep_check(slot, c.check_dir.c_str(), O_PATH | O_DIRECTORY, 1);
+  int vfd, tfd;
+  const char *vname, *tname;
+  c.check_res[0] = at(job, r.recycle, &vfd, &vname);
+  c.check_res[1] = c.check_res[0] < 0 ? 0 : at(job, r.path, &tfd, &tname);
+  if (c.check_res[0] < 0 || c.check_res[1] < 0) {
+    prep_failed(slot, kStatx, -ENOENT);
+    return;
+  }
   io_uring_sqe* sqe = get_sqe();
-  io_uring_prep_renameat(sqe, AT_FDCWD, r.recycle.c_str(), AT_FDCWD, r.path.c_str(),
-                         RENAME_NOREPLACE);
+  io_uring_prep_renameat(sqe, vfd, vname, tfd, tname, RENAME_NOREPLACE);
   io_uring_sqe_set_data64(sqe, encode(slot, kRecycle));
   sqe->flags |= IOSQE_IO_HARDLINK;
   sqe = get_sqe();
-  io_uring_prep_statx(sqe, AT_FDCWD, r.path.c_str(), AT_SYMLINK_NOFOLLOW,
+  io_uring_prep_statx(sqe, tfd, tname, AT_SYMLINK_NOFOLLOW,
                       STATX_TYPE | STATX_MODE | STATX_NLINK | STATX_SIZE, &c.stx);
   io_uring_sqe_set_data64(sqe, encode(slot, kStatx));
   c.pending += 2;
   unsubmitted_ += 2;
 }
 
+// The rename or unlink after a main chain (phase 1, 2/4, 5, 7), relative to the link-free
+// descriptors of the directories involved; one that cannot be opened: a NOP reporting its errno.
 void Ring::prep_followup(uint32_t slot, uint8_t phase) {
   Ctx& c = ctx_[slot];
-  Request& r = c.job->reqs[c.index];
+  Job& job = *c.job;
+  Request& r = job.reqs[c.index];
   c.phase = phase;
-  if (phase == 5) {  // the victim's path is resolved again: proven link-free first
+  if (phase == 5) {
     c.check_res[0] = 0;
     c.unlink_res = 0;
-    prep_check(slot, r.recycle.c_str(), O_PATH | O_NOFOLLOW, 0);
+  }
+  const Stage st = phase == 1 ? kRename : phase == 7 ? kRestore : kUnlink;
+  const std::string& from = phase == 5 ? r.recycle : r.path;
+  int ffd, tfd = AT_FDCWD;
+  const char *fname, *tname = nullptr;
+  int e = at(job, from, &ffd, &fname);
+  if (e == 0 && (phase == 1 || phase == 7)) e = at(job, phase == 1 ? r.target : r.recycle, &tfd, &tname);
+  if (e < 0) {
+    prep_failed(slot, st, e);
+    return;
   }
   io_uring_sqe* sqe = get_sqe();
-  if (phase == 1) {
-    io_uring_prep_renameat(sqe, AT_FDCWD, r.path.c_str(), AT_FDCWD, r.target.c_str(),
-                           RENAME_NOREPLACE);
-    io_uring_sqe_set_data64(sqe, encode(slot, kRename));
-  } else if (phase == 7) {
-    io_uring_prep_renameat(sqe, AT_FDCWD, r.path.c_str(), AT_FDCWD, r.recycle.c_str(),
-                           RENAME_NOREPLACE);
-    io_uring_sqe_set_data64(sqe, encode(slot, kRestore));
-  } else {
-    io_uring_prep_unlinkat(sqe, AT_FDCWD, (phase == 5 ? r.recycle : r.path).c_str(), 0);
-    io_uring_sqe_set_data64(sqe, encode(slot, kUnlink));
-  }
+  if (phase == 1 || phase == 7)
+    io_uring_prep_renameat(sqe, ffd, fname, tfd, tname, RENAME_NOREPLACE);
+  else
+    io_uring_prep_unlinkat(sqe, ffd, fname, 0);
+  io_uring_sqe_set_data64(sqe, encode(slot, st));
   ++c.pending;
   ++unsubmitted_;
 }
@@ -583,14 +633,19 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
     if (!(flags & IORING_CQE_F_MORE)) arm_wake();
     return;
   }
-  const uint32_t sub = uint32_t(ud >> 32);
+  uint32_t sub = uint32_t(ud >> 32);
   const uint32_t slot = uint32_t((ud & 0xffffffffull) >> kStageBits);
   Stage st = Stage(ud & ((1u << kStageBits) - 1));
   Ctx& c = ctx_[slot];
   Job& job = *c.job;
   Request& r = job.reqs[c.index];
   const bool reading = job.op == Op::Read || job.op == Op::ReadBlock;
-  if (st == kOpen && skip_open_cqe_) {  // only failures get here, and they are not counted
+  const bool pre_failed = (sub & kPreFailed) != 0;
+  if (pre_failed) {  // prep_failed's NOP: the op's result is the errno it stands for
+    sub &= ~kPreFailed;
+    res = c.pre_res;
+  }
+  if (st == kOpen && skip_open_cqe_ && !pre_failed) {  // only failures get here, and they are not counted
     record_error(c, st, res);
     if (c.phase == 0) c.open_failed = true;
     return;
@@ -641,12 +696,6 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
       // A close error matters for writes only (the data may not have reached the file).
       if (res < 0 && op_is_write(job.op) && c.err == 0) record_error(c, st, res);
       break;
-    case kCheck:
-      // sub 0/2: the opens of check 0/1 (1/3: their closes). A failed close cancels what
-      // follows as a failed open does: the rename or unlink then reports -ECANCELED.
-      if (res < 0 && res != -ECANCELED && (sub == 0 || sub == 2) && c.check_res[sub / 2] == 0)
-        c.check_res[sub / 2] = res;
-      break;
     case kRename:
       if (res == -EEXIST) {
         // Content-addressed: another writer already placed this block. Keep theirs.
@@ -659,8 +708,7 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, std::vector<Job*>& f
       break;
     case kUnlink:
       if (job.op == Op::Unlink && res < 0) {
-        // (a failed check cancels the unlink: its error is the result)
-        record_error(c, st, res == -ECANCELED && c.check_res[0] < 0 ? c.check_res[0] : res);
+        record_error(c, st, res);
       }
       if (c.phase == 5) c.unlink_res = res;
       if ((c.phase == 2 || c.phase == 4) && res < 0 && res != -ENOENT)

@@ -86,11 +86,11 @@ class Ring {
     int flags = 0;             // the main chain's open flags (a re-read opens the same way)
     int32_t recycle_res = 0;  // result of renaming the recycled file to the temporary name
     int32_t stat_res = 0;     // result of the statx of the temporary (phase 6)
-    int32_t check_res[2] = {0, 0};  // failed prep_check opens (0: the victim, 1: temp's directory)
+    int32_t check_res[2] = {0, 0};  // phase 6: -errno opening the directory of 0: the victim, 1: the temporary
+    int32_t pre_res = 0;      // the -errno a stand-in NOP reports for an op never issued (prep_failed)
     int32_t unlink_res = 0;   // phase 5: the victim's unlink
     struct statx stx {};
     open_how how[2] = {};     // of the opens being submitted (the kernel copies them then)
-    std::string check_dir;    // the temporary's directory (phase 6), live until submitted
     bool merged = false;      // header and payload written by one WRITEV (a new file)
     iovec iov[2] = {};        // its iovecs (live until the request finishes)
     int64_t err = 0;
@@ -108,8 +108,10 @@ class Ring {
   void prep_chain(uint32_t slot);
   void prep_recycle(uint32_t slot);
   void prep_followup(uint32_t slot, uint8_t phase);
-  void prep_open(uint32_t slot, int flags);
-  void prep_check(uint32_t slot, const char* path, int flags, uint32_t sub);
+  bool prep_open(uint32_t slot, int flags);  // false: not issued (a NOP reports why)
+  int at(const Job& job, const std::string& path, int* dfd, const char** name);
+  int dir_fd(const std::string& dir);
+  void prep_failed(uint32_t slot, uint64_t stage, int err);
   void prep_reread(uint32_t slot);
   bool start_dirsync(uint32_t slot);
   void release(uint32_t slot, std::vector<Job*>& finished);
@@ -135,6 +137,11 @@ class Ring {
   bool skip_open_cqe_ = false;
   uint64_t buffers_generation_ = 0;
   std::vector<BufferRegion> buffers_;
+  // Link-free directory descriptors (O_PATH, opened with open_no_links on first use, by this
+  // ring's thread) of block files' directories: renames, unlinks, statx and opens of block files
+  // go relative to them with the base name, so a directory later swapped for a link cannot
+  // redirect them. Kept for the ring's life (reopened if the directory was removed).
+  std::unordered_map<std::string, int> dir_fds_;
 };
 
 // poll(), wait(), drain(), pending_jobs() and stats() come from HostJobs.

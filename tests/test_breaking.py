@@ -57,14 +57,7 @@ def _renameat2_exchange():
     return exchange
 
 
-@pytest.mark.parametrize("engine", [
-    "posix",
-    pytest.param("uring", marks=pytest.mark.xfail(
-        reason="open: the io_uring engine proves a path link-free (O_PATH openat2) and then "
-               "unlinks/renames it by path (AT_FDCWD): a fan-out swapped for a link in between "
-               "makes eviction delete files outside the root and renames move blocks out of it",
-        strict=False)),
-])
+@pytest.mark.parametrize("engine", ["posix", "uring"])
 def test_fanouts_swapped_for_links_while_evicting_touch_nothing_outside(root, tmp_path, engine):
     """A thread swaps fan-out directories with links to outside directories (renameat2
     RENAME_EXCHANGE, and back) while stores evict under a small capacity: every file outside

@@ -208,6 +208,47 @@ def test_symlinked_fanout_directory(root, outside, aligned, engine):
     assert engine.take_leftovers() == []  # a victim behind a link is never handed back to remove
 
 
+def test_fanout_swapped_for_a_link_after_use_touches_nothing_outside(root, outside, aligned, engine):
+    """A fan-out directory used once, then moved away and replaced by a link to an outside
+    directory holding files of the same names: an unlink and a recycling store by the old paths
+    never touch the outside files. The io_uring engine works relative to the directory descriptor
+    it opened link-free on first use, so it reaches the moved real directory (an unlink is one
+    SQE, a recycling store 7: rename, statx, open, header, data, close, rename); the posix engine
+    resolves each path again and fails ELOOP."""
+    src = aligned(SIZE, fill=5)
+    fan = os.path.join(root, "ab")
+    os.mkdir(fan)
+    a, v = os.path.join(fan, "a.kvb"), os.path.join(fan, "v.kvb")
+    assert store(engine, src, a, b"a", direct=False) == [SIZE]
+    assert store(engine, src, v, b"v", direct=False) == [SIZE]
+    for name in ("a.kvb", "v.kvb", "n.kvb"):
+        with open(os.path.join(outside, name), "wb") as f:
+            f.write(b"OUTSIDE " + name.encode())
+    snapshot = {name: file_bytes(os.path.join(outside, name)) for name in os.listdir(outside)}
+    moved = fan + ".moved"
+    os.rename(fan, moved)
+    os.symlink(outside, fan)
+    uring = isinstance(engine, _native.Engine)
+
+    before = engine.stats()
+    assert engine.run("unlink", [a]) == [0 if uring else -errno.ELOOP]
+    mid = engine.stats()
+    n = os.path.join(fan, "n.kvb")
+    entry = (n + ".tmp", n, SIZE, addr(src), key_digest(b"n"), v)
+    assert engine.run("write_block", [entry], direct=False) == [SIZE if uring else -errno.ELOOP]
+    after = engine.stats()
+
+    assert {name: file_bytes(os.path.join(outside, name)) for name in os.listdir(outside)} == snapshot
+    if uring:
+        assert os.listdir(moved) == ["n.kvb"]  # a removed, v recycled into n
+        assert file_bytes(os.path.join(moved, "n.kvb"))[HEADER_BYTES:] == src.tobytes()
+        assert mid["sqes"] - before["sqes"] == 1
+        assert after["sqes"] - mid["sqes"] == 7 and after["recycled"] - mid["recycled"] == 1
+    else:
+        assert sorted(os.listdir(moved)) == ["a.kvb", "v.kvb"]
+    assert engine.take_leftovers() == []
+
+
 # ------------------------------------------------------------------------- 3: file modes
 
 
