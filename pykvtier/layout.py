@@ -811,9 +811,10 @@ def lock_root(root: str | os.PathLike, shared: bool, *, file_mode: int = 0o600) 
     finally:
         os.close(rfd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"root {root}: its lock file {path} is not a regular file")
-        nlink = os.fstat(fd).st_nlink
+        nlink = st.st_nlink
         if nlink != 1:  # the pid hint below would be written into a file outside the root
             raise ValueError(f"root {root}: its lock file {path} has {nlink} hard links (one "
                              "may be outside the root); remove it")
