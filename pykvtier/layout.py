@@ -697,10 +697,15 @@ class RootLock:
         return self._fd is not None
 
     def release(self) -> None:
-        """Releases the lock (closes its descriptor). Idempotent."""
+        """Releases the lock: ``flock(LOCK_UN)``, then closes its descriptor. Idempotent.
+        Unlocking first releases the lock even where a copy of the descriptor lives on (a child
+        forked before its at-fork hook closed its copy, a dup): they share the lock."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> RootLock:
         return self

@@ -219,3 +219,18 @@ def test_a_forked_child_does_not_keep_the_root_locked(root):
         os.close(w)
         os.waitpid(pid, 0)
     assert layout.RootLock.holders(root) == []
+
+
+def test_release_unlocks_although_a_copy_of_the_lock_descriptor_lives_on(root):
+    """A copy of the lock's descriptor (a forked child that has not yet run its at-fork hook, a
+    dup) shares the flock: release() closing only its own descriptor left the root locked (the
+    CI run of test_a_forked_child_does_not_keep_the_root_locked lost that race once)."""
+    tier = DiskTier(root, BS)
+    copy = os.dup(tier._root_lock._fd)
+    try:
+        tier.shutdown()
+        again = DiskTier(root, BS)
+        assert layout.RootLock.holders(root) == [os.getpid()]
+        again.shutdown()
+    finally:
+        os.close(copy)
