@@ -1,0 +1,93 @@
+"""The engines a :class:`~pykvtier.tier.DiskTier` drives, and the one contract they share.
+
+Host engines are C++ (``pykvtier._native.Engine``: io_uring; ``pykvtier._native.PosixEngine``);
+the Python-side ones wrap a host engine for device arenas (``pykvtier.engines.bounce``, the GPU
+path dispatch in ``pykvtier.engines.gpu``). Every one of them satisfies :class:`Engine`.
+:func:`run_job` is plain submit-and-wait over any of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+__all__ = ["Engine", "ForeignJobs", "job_fields", "run_job"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What DiskTier and the tools need of an engine.
+
+    ``name``: "uring", "posix", "bounce+uring", "bounce+posix", "gds", "kvikio-compat".
+    ``submit`` queues a job (``op``: a ``pykvtier._native.Op``; ``entries``: the op's entry
+    tuples; ``verify``: "payload" or "header") and never blocks on its I/O. ``poll`` returns the
+    jobs finished since the last call (``pykvtier._native.FinishedJob``: job_id, op, results,
+    submits, queued_s, transfer_s), each once; ``wait(timeout_s)`` blocks, GIL released, until
+    ``poll`` has something or nothing is pending (True if ``poll`` has something); ``drain``
+    blocks until every submitted job finished (results stay for ``poll``). ``stats`` has exactly
+    the keys ``pykvtier._native.STATS_KEYS``. Thread-safe.
+    """
+
+    name: str
+
+    def submit(self, job_id: int, op: Any, entries: Sequence[tuple], *, direct: bool = True,
+               align: int = 4096, mem_align: int = 0, fsync: bool = False, file_mode: int = 0o600,
+               verify: str = "payload") -> None: ...
+    def poll(self) -> list: ...
+    def wait(self, timeout_s: float | None = None) -> bool: ...
+    def drain(self) -> None: ...
+    def pending_jobs(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def take_leftovers(self) -> list[str]: ...
+    def register_buffer(self, addr: int, nbytes: int) -> int: ...
+    def unregister_buffers(self) -> None: ...
+    def await_buffers(self, timeout_s: float | None = None) -> bool: ...
+    def shutdown(self) -> None: ...
+
+
+def job_fields(job: Any) -> tuple[int, list[int]]:
+    """(job_id, results) of a polled job: a ``FinishedJob`` or a legacy 6-tuple."""
+    try:
+        return job.job_id, job.results
+    except AttributeError:
+        return job[0], job[2]
+
+
+class ForeignJobs(RuntimeError):
+    """:func:`run_job` polled jobs it did not submit and was given no ``keep`` list for them.
+    ``jobs``: those finished jobs (nothing is lost); ``results``: the run job's results."""
+
+    def __init__(self, jobs: list, results: list[int]) -> None:
+        super().__init__("run_job polled jobs it did not submit (ids "
+                         f"{[job_fields(j)[0] for j in jobs]}): pass keep=[] to collect them")
+        self.jobs = jobs
+        self.results = results
+
+
+_ids = itertools.count((1 << 63) + (1 << 62))  # never a caller's or the bounce engine's own ids
+
+
+def run_job(engine: Engine, op: Any, entries: Sequence[tuple], *, keep: list | None = None,
+            **submit_kw: Any) -> list[int]:
+    """Submits one job of ``entries`` to ``engine`` and blocks (in ``engine.wait``, GIL
+    released) until it finished; returns its results (one int per entry: bytes moved, -errno,
+    or a ``BlockError`` code). ``submit_kw``: the engine's submit keywords.
+
+    Other jobs polled meanwhile are appended to ``keep``; without ``keep`` they raise
+    :class:`ForeignJobs` (carrying them) once this job finished. Raises what ``submit`` raises
+    (bad op or entries) before anything is queued. Any thread that owns ``engine``'s polling."""
+    job_id = next(_ids)
+    engine.submit(job_id, op, entries, **submit_kw)
+    others: list = []
+    while True:
+        for job in engine.poll():
+            jid, results = job_fields(job)
+            if jid == job_id:
+                results = list(results)
+                if others and keep is None:
+                    raise ForeignJobs(others, results)
+                if keep is not None:
+                    keep.extend(others)
+                return results
+            others.append(job)
+        engine.wait(None)
