@@ -1,0 +1,309 @@
+// Python side of the engine interface (include/pykvtier/engine.hpp), shared by the bindings of
+// every engine module (pykvtier._native: io_uring, posix; pykvtier._gds): entry tuples -> a Job of
+// the one model, the submit keywords, and def_engine(), which binds the interface's methods the
+// same way for every engine. Only files under python/ (and gds_bindings.cpp) touch Python objects.
+//
+// Entries per op (addr: host or device memory, as the engine moves it):
+//   read / write:  (path, file_offset, length, addr[, rename_target (write only)])
+//   read_block:    (path, payload_length, addr, key_digest: 16 bytes)
+//   write_block:   (tmp_path, final_path, payload_length, addr, key_digest: 16 bytes
+//                   [, recycle_path: an evicted block file to reuse, or ""])
+//   unlink:        path, or (path,)
+//
+// The Python types of the job model (Op, Verify, FinishedJob, BlockError) are registered once, by
+// pykvtier._native (python/bindings.cpp: register_job_types); another engine module imports
+// pykvtier._native in its init before it returns FinishedJob objects.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "pykvtier/engine.hpp"
+
+namespace pykvtier::python {
+
+namespace py = pybind11;
+
+inline constexpr uint64_t kMaxRequestBytes = 1ull << 30;  // CQE results are int32
+
+[[noreturn]] inline void entry_error(size_t i, const std::string& path, const std::string& what) {
+  std::string shown;  // a NUL byte would end the message: shown as \0; a long path shortened
+  for (char ch : path.substr(0, 200)) shown += ch == '\0' ? std::string("\\0") : std::string(1, ch);
+  if (path.size() > 200) shown += "...";
+  throw py::value_error("entry " + std::to_string(i) + " (" + shown + "): " + what);
+}
+
+// Entry i's `what` (its path, rename target or recycle path) is one the kernel takes: not empty
+// (unless optional), no NUL byte, shorter than PATH_MAX. (io_uring fails such a path while
+// preparing the open, which cancels the rest of its chain without completions: it must never
+// reach the ring.)
+inline void check_path(size_t i, const std::string& entry_path, const char* what,
+                       const std::string& path, bool optional) {
+  if (path.empty()) {
+    if (optional) return;
+    entry_error(i, entry_path, std::string(what) + " is empty");
+  }
+  if (path.find('\0') != std::string::npos)
+    entry_error(i, entry_path, std::string(what) + " contains a NUL byte");
+  if (path.size() >= 4096)
+    entry_error(i, entry_path, std::string(what) + " is " + std::to_string(path.size()) +
+                                   " bytes, not shorter than PATH_MAX (4096)");
+}
+
+// An Op, or (until every caller passes Op) its name: "read", "write", "read_block",
+// "write_block", "unlink". ValueError otherwise.
+inline Op op_from_object(py::handle op) {
+  if (py::isinstance<Op>(op)) return op.cast<Op>();
+  if (!py::isinstance<py::str>(op))
+    throw py::type_error("op must be a pykvtier._native.Op, not " +
+                         std::string(py::str(py::type::handle_of(op).attr("__name__"))));
+  const std::string s = op.cast<std::string>();
+  for (Op o : {Op::Read, Op::Write, Op::ReadBlock, Op::WriteBlock, Op::Unlink})
+    if (s == op_name(o)) return o;
+  throw py::value_error("unknown op '" + s + "': expected read, write, read_block, write_block or unlink");
+}
+
+inline Verify verify_from_name(const std::string& s) {
+  if (s == "payload") return Verify::Payload;
+  if (s == "header") return Verify::Header;
+  throw py::value_error("verify must be \"payload\" or \"header\", got '" + s + "'");
+}
+
+namespace entries_detail {
+
+inline void read_digest(size_t i, Request& r, py::handle h) {
+  std::string d = h.cast<py::bytes>();
+  if (d.size() != kDigestBytes)
+    entry_error(i, r.path, "key digest must be " + std::to_string(kDigestBytes) + " bytes");
+  std::memcpy(r.digest, d.data(), kDigestBytes);
+}
+
+inline void need(size_t i, const py::tuple& t, size_t k, Op op) {
+  if (t.size() != k)
+    throw py::value_error("entry " + std::to_string(i) + ": expected a tuple of " + std::to_string(k) +
+                          " items for op '" + op_name(op) + "', got " + std::to_string(t.size()));
+}
+
+// One tuple entry of a read / write / read_block / write_block job into r.
+inline void parse_tuple(size_t i, Op op, const py::tuple& t, Request& r, bool recycles) {
+  switch (op) {
+    case Op::Read:
+    case Op::Write:
+      if (t.size() == 5 && op == Op::Write)
+        r.target = t[4].cast<std::string>();
+      else
+        need(i, t, 4, op);
+      r.path = t[0].cast<std::string>();
+      r.offset = t[1].cast<uint64_t>();
+      r.length = t[2].cast<uint64_t>();
+      r.addr = t[3].cast<uint64_t>();
+      return;
+    case Op::ReadBlock:
+      need(i, t, 4, op);
+      r.path = t[0].cast<std::string>();
+      r.length = t[1].cast<uint64_t>();
+      r.addr = t[2].cast<uint64_t>();
+      read_digest(i, r, t[3]);
+      return;
+    case Op::WriteBlock:
+      if (t.size() != 6) need(i, t, 5, op);
+      r.path = t[0].cast<std::string>();
+      r.target = t[1].cast<std::string>();
+      r.length = t[2].cast<uint64_t>();
+      r.addr = t[3].cast<uint64_t>();
+      read_digest(i, r, t[4]);
+      if (t.size() == 6) r.recycle = t[5].cast<std::string>();
+      if (!r.recycle.empty() && !recycles) entry_error(i, r.path, "this engine does not recycle block files");
+      return;
+    case Op::Unlink:
+      return;
+  }
+}
+
+}  // namespace entries_detail
+
+// Fills job.reqs from entries (job.op set), checking each entry's shape, paths, length (1 byte ..
+// 1 GiB) and address (not NULL). addr_kind names the memory in errors ("host", "device");
+// recycles: whether the engine takes write_block's recycle_path. Raises ValueError naming the
+// entry; nothing is queued then.
+inline void parse_entries(Job& job, const py::sequence& entries, const char* addr_kind, bool recycles) {
+  const size_t n = py::len(entries);
+  job.reqs.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Request& r = job.reqs[i];
+    py::handle e = entries[i];
+    if (job.op == Op::Unlink) {
+      r.path = py::isinstance<py::str>(e) ? e.cast<std::string>()
+                                          : py::reinterpret_borrow<py::sequence>(e)[0].cast<std::string>();
+      check_path(i, r.path, "path", r.path, false);
+      continue;
+    }
+    entries_detail::parse_tuple(i, job.op, py::reinterpret_borrow<py::object>(e).cast<py::tuple>(), r, recycles);
+    check_path(i, r.path, "path", r.path, false);
+    check_path(i, r.path, "rename target", r.target, true);
+    check_path(i, r.path, "recycle path", r.recycle, true);
+    if (r.length == 0) entry_error(i, r.path, "length is 0");
+    if (r.length > kMaxRequestBytes)
+      entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
+    if (r.addr == 0) entry_error(i, r.path, std::string(addr_kind) + " address is NULL");
+  }
+}
+
+// The submit keywords every engine takes (pykvtier.engines.Engine.submit).
+struct SubmitOptions {
+  bool direct = true;
+  uint32_t align = 4096;
+  uint32_t mem_align = 0;  // 0: align
+  bool fsync = false;
+  uint32_t file_mode = 0600;
+  std::string verify = "payload";
+};
+
+// What an engine's bindings tell make_job: how it names its memory, whether it recycles files,
+// whether O_DIRECT's memory/offset/length alignment is checked here (host engines).
+struct EngineTraits {
+  const char* addr_kind = "host";
+  bool recycles = true;
+  bool check_direct_alignment = true;
+};
+
+inline std::string hex(uint64_t v) {
+  std::ostringstream o;
+  o << "0x" << std::hex << v;
+  return o.str();
+}
+
+// O_DIRECT's alignment of every request's address, length and offset (host engines, direct).
+inline void check_direct_alignment(const Job& job, uint32_t mem_align) {
+  if (job.op == Op::Unlink) return;
+  const std::string mult = " is not a multiple of ";
+  for (size_t i = 0; i < job.reqs.size(); ++i) {
+    const Request& r = job.reqs[i];
+    if (r.addr % mem_align)
+      entry_error(i, r.path, "host address " + hex(r.addr) + mult + std::to_string(mem_align) +
+                                 " bytes, the memory alignment O_DIRECT needs here; use page-aligned memory");
+    if (r.length % job.align)
+      entry_error(i, r.path, "length " + std::to_string(r.length) + mult + std::to_string(job.align) +
+                                 " bytes, the O_DIRECT I/O alignment here");
+    if (r.offset % job.align)
+      entry_error(i, r.path, "file offset " + std::to_string(r.offset) + mult + std::to_string(job.align) +
+                                 " bytes, the O_DIRECT I/O alignment here");
+  }
+}
+
+// A job of entries, every argument checked before anything is queued (ValueError naming it).
+// fix_mode(file_mode): whether created files need their mode set after creation (detail/safe_path.hpp
+// mode_needs_fix for host engines).
+inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::sequence& entries,
+                                     const SubmitOptions& o, const EngineTraits& traits,
+                                     bool (*fix_mode)(uint32_t)) {
+  auto job = std::make_unique<Job>();
+  job->id = id;
+  job->op = op_from_object(op);
+  job->verify = verify_from_name(o.verify);
+  job->direct = o.direct;
+  job->fsync = o.fsync;
+  if ((o.file_mode & ~0777u) || (o.file_mode & 0600u) != 0600u) {
+    std::ostringstream m;
+    m << "file_mode must be permission bits (within 0o777) with owner read and write (0o600) set, got 0o"
+      << std::oct << o.file_mode;
+    throw py::value_error(m.str());
+  }
+  job->file_mode = o.file_mode;
+  job->fix_mode = fix_mode ? fix_mode(o.file_mode) : false;
+  if (o.align == 0 || (o.align & (o.align - 1))) throw py::value_error("align must be a power of two");
+  job->align = o.align;
+  const uint32_t mem_align = o.mem_align == 0 ? o.align : o.mem_align;
+  if (mem_align & (mem_align - 1)) throw py::value_error("mem_align must be a power of two");
+  parse_entries(*job, entries, traits.addr_kind, traits.recycles);
+  if (o.direct && traits.check_direct_alignment) check_direct_alignment(*job, mem_align);
+  return job;
+}
+
+// Binds pykvtier/engine.hpp's interface on cls (a py::class_ of an Engine implementation):
+// submit (with SubmitOptions' keywords; check(Job&) runs after the entries are parsed: an
+// engine's own checks, raising ValueError), poll (list of FinishedJob), wait, drain,
+// pending_jobs, stats (dict, STATS_KEYS order), take_leftovers, register_buffer,
+// unregister_buffers, await_buffers, shutdown, name. Every wait releases the GIL.
+template <class Cls, class Check>
+Cls& def_engine(Cls& cls, const EngineTraits& traits, bool (*fix_mode)(uint32_t), Check check,
+                const char* submit_doc) {
+  using E = typename Cls::type;
+  cls.def(
+         "submit",
+         [traits, fix_mode, check](E& e, uint64_t job_id, py::handle op, const py::sequence& entries,
+                                   bool direct, uint32_t align, uint32_t mem_align, bool fsync,
+                                   uint32_t file_mode, const std::string& verify) {
+           SubmitOptions o{direct, align, mem_align, fsync, file_mode, verify};
+           auto job = make_job(job_id, op, entries, o, traits, fix_mode);
+           check(*job);
+           e.submit(std::move(job));
+         },
+         py::arg("job_id"), py::arg("op"), py::arg("entries"), py::kw_only(), py::arg("direct") = true,
+         py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false,
+         py::arg("file_mode") = 0600, py::arg("verify") = "payload", submit_doc)
+      .def("poll", [](E& e) { return e.poll(); },
+           "Finished jobs since the last call, each exactly once: list of FinishedJob. Never blocks.")
+      .def(
+          "wait",
+          [](E& e, std::optional<double> timeout_s) {
+            py::gil_scoped_release nogil;
+            return e.wait(timeout_s ? *timeout_s : -1.0);
+          },
+          py::arg("timeout_s") = py::none(),
+          "Blocks (GIL released) until a finished job can be polled, nothing is pending, or\n"
+          "timeout_s seconds passed. Returns True if poll() has something.")
+      .def(
+          "drain",
+          [](E& e) {
+            py::gil_scoped_release nogil;
+            e.drain();
+          },
+          "Blocks (GIL released) until every submitted job finished; results stay for poll().")
+      .def("pending_jobs", [](E& e) { return e.pending_jobs(); }, "Jobs submitted and not yet finished.")
+      .def(
+          "stats",
+          [](E& e) {
+            py::dict d;
+            e.stats().for_each([&](const char* k, uint64_t v) { d[k] = v; });
+            return d;
+          },
+          "The engine's counters: a dict with exactly the keys STATS_KEYS (ints).")
+      .def("take_leftovers", [](E& e) { return e.take_leftovers(); },
+           "Paths (list of str) of files this engine created or renamed but could not remove after\n"
+           "a failure: a failed store's temporary whose unlink failed, a recycle victim neither\n"
+           "reused nor removed. Each path is reported once; from then on it is the caller's (count\n"
+           "it, retry its removal). Never blocks; any thread.")
+      .def("register_buffer", [](E& e, uint64_t addr, uint64_t nbytes) { return e.register_buffer(addr, nbytes); },
+           py::arg("addr"), py::arg("nbytes"),
+           "Registers [addr, addr+nbytes) with the kernel or driver where the engine can (memory that\n"
+           "must stay valid until unregister_buffers() or shutdown()). Returns the first buffer\n"
+           "index (0 where the engine registers nothing), or -errno where it was refused.")
+      .def("unregister_buffers", [](E& e) { e.unregister_buffers(); })
+      .def(
+          "await_buffers",
+          [](E& e, std::optional<double> timeout_s) {
+            py::gil_scoped_release nogil;
+            return e.await_buffers(timeout_s ? *timeout_s : -1.0);
+          },
+          py::arg("timeout_s") = py::none(),
+          "Blocks (GIL released) until every thread of the engine uses the registered buffers.\n"
+          "Returns False on timeout.")
+      .def(
+          "shutdown",
+          [](E& e) {
+            py::gil_scoped_release nogil;
+            e.shutdown();
+          },
+          "Finishes queued jobs, then stops the engine's threads. Idempotent.")
+      .def_property_readonly("name", [](E& e) { return std::string(e.name()); });
+  return cls;
+}
+
+}  // namespace pykvtier::python
