@@ -436,7 +436,7 @@ def _read_blocks(blocks: list[_BlockFile], block_size: int, *, direct: bool, eng
     from .buffers import host_arena
     from .layout import HEADER_BYTES
     from .posix_engine import PosixEngine
-    from .tier import _make_engine
+    from .engines import make_host_engine as _make_engine
 
     slot = -(-block_size // _PAGE) * _PAGE
     per_job = max(1, min(batch, _ARENA_BYTES // slot // jobs_in_flight))
@@ -708,7 +708,7 @@ class Subcommand:
 
 
 def _format_bytes(n: int) -> str:
-    from .replay import format_bytes
+    from .toolkit import format_bytes
 
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n} bytes)"
 
@@ -762,7 +762,7 @@ def _fsck_run(args: argparse.Namespace) -> int:
 
 
 def _capacity_arg(text: str) -> int:
-    from .replay import parse_size
+    from .toolkit import parse_size
 
     try:
         return parse_size(text)

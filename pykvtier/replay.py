@@ -26,7 +26,6 @@ import itertools
 import json
 import mmap
 import os
-import re
 import resource
 import shutil
 import signal
@@ -41,7 +40,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from . import models as _models
-from .bench.report import jsonable
+from .toolkit import format_bytes, jsonable, parse_size
 from .trace import TRACE_BLOCK_TOKENS, Request, TraceFormatError, load_trace
 
 __all__ = [
@@ -87,51 +86,6 @@ _STORE_REJECTIONS = ("no capacity", "block is being evicted")
 
 class ReplayConfigError(ValueError):
     """The replay cannot run with these settings (message says why)."""
-
-
-# --------------------------------------------------------------------------------------
-# sizes
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte count: ``8589934592``, ``8GiB``, ``8G``, ``1.5GiB``, ``512M``, ``8GB``.
-
-    ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB`` powers of 1000.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"size must be >= 0, got {text}")
-        return text
-    m = _SIZE_RE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"invalid size {text!r}: expected a number of bytes with an optional suffix "
-            "K/M/G/T, KiB/MiB/GiB/TiB (x1024) or KB/MB/GB/TB (x1000), e.g. 8GiB"
-        )
-    value = float(m.group(1)) * _SIZE_UNITS[unit]
-    if value != int(value) and unit in ("", "b"):
-        raise ValueError(f"invalid size {text!r}: fractional bytes")
-    return int(value)
-
-
-def format_bytes(n: float) -> str:
-    """``1835008`` -> ``'1.75 MiB'``."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # --------------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from ..toolkit import jsonable
 from .runner import CloneResult, DirStats, GroupResult
 
-__all__ = ["DEFAULT_PERCENTILES", "job_json", "jsonable", "to_json", "format_text", "merge_clones",
+__all__ = ["DEFAULT_PERCENTILES", "job_json", "to_json", "format_text", "merge_clones",
            "dir_json", "lat_stats"]
 
 DEFAULT_PERCENTILES = (1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0,
@@ -180,22 +181,6 @@ def job_json(r: CloneResult) -> dict:
         **jsonable(r.extra),
     }
     return j
-
-
-def jsonable(v: Any) -> Any:
-    """v with dict keys as str, tuples as lists, numpy scalars as Python numbers, bytes decoded
-    as latin-1 and anything else JSON cannot hold as its str() (shared with the replay)."""
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if isinstance(v, dict):
-        return {str(k): jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [jsonable(x) for x in v]
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, bytes):
-        return v.decode("latin-1")
-    return str(v)
 
 
 def to_json(groups: list[GroupResult], env: dict | None = None) -> dict:
