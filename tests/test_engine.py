@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import pytest
 
+from pykvtier._native import Op
+from pykvtier.engines import run_job
 from pykvtier import _native
 from pykvtier.layout import HEADER_BYTES, key_digest, read_header
 
@@ -41,13 +43,14 @@ def file_bytes(path: str) -> bytes:
 
 
 def drain_poll(e) -> dict:
-    """drain(), then poll(): {job_id: (op, results, submits)}; each job id must come once."""
+    """drain(), then poll(): {job_id: (op: Op, results, submits)}; each job id must come once."""
     e.drain()
     out = {}
-    for jid, op, results, submits, queued_s, transfer_s in e.poll():
-        assert jid not in out, f"job {jid} reported twice"
-        assert queued_s >= 0 and transfer_s >= 0
-        out[jid] = (op, list(results), submits)
+    for job in e.poll():
+        assert isinstance(job, _native.FinishedJob) and isinstance(job.op, Op)
+        assert job.job_id not in out, f"job {job.job_id} reported twice"
+        assert job.queued_s >= 0 and job.transfer_s >= 0
+        out[job.job_id] = (job.op, list(job.results), job.submits)
     assert e.pending_jobs() == 0
     return out
 
@@ -75,13 +78,13 @@ def test_raw_round_trip(direct_root, aligned, engine, size, fixed):
     b = os.path.join(direct_root, "b")
     # two pieces in one file (at 0 and at `size`), one in another
     writes = [(a, 0, size, addr(src)), (a, size, size, addr(src) + size), (b, 0, size, addr(src) + 2 * size)]
-    assert engine.run("write", writes) == [size] * n
+    assert run_job(engine, Op.WRITE, writes) == [size] * n
     assert file_bytes(a) == src[: 2 * size].tobytes()
     assert file_bytes(b) == src[2 * size :].tobytes()
 
     # read back in another order into other places
     reads = [(b, 0, size, addr(dst)), (a, size, size, addr(dst) + size), (a, 0, size, addr(dst) + 2 * size)]
-    assert engine.run("read", reads) == [size] * n
+    assert run_job(engine, Op.READ, reads) == [size] * n
     assert np.array_equal(dst[:size], src[2 * size :])
     assert np.array_equal(dst[size : 2 * size], src[size : 2 * size])
     assert np.array_equal(dst[2 * size :], src[:size])
@@ -109,7 +112,7 @@ def test_block_round_trip(direct_root, aligned, engine, size, fixed):
     finals = [os.path.join(direct_root, f"{i}.kvb") for i in range(n)]
     tmps = [f + ".tmp" for f in finals]
     writes = [(tmps[i], finals[i], size, addr(src) + i * size, digests[i]) for i in range(n)]
-    assert engine.run("write_block", writes) == [size] * n
+    assert run_job(engine, Op.WRITE_BLOCK, writes) == [size] * n
 
     for i in range(n):
         assert not os.path.exists(tmps[i])
@@ -126,7 +129,7 @@ def test_block_round_trip(direct_root, aligned, engine, size, fixed):
 
     order = [2, 0, 1]
     reads = [(finals[j], size, addr(dst) + k * size, digests[j]) for k, j in enumerate(order)]
-    assert engine.run("read_block", reads) == [size] * n
+    assert run_job(engine, Op.READ_BLOCK, reads) == [size] * n
     for k, j in enumerate(order):
         assert np.array_equal(dst[k * size : (k + 1) * size], src[j * size : (j + 1) * size])
 
@@ -145,13 +148,13 @@ def test_fixed_buffers_only_inside_registered_region(direct_root, aligned, engin
     outside = aligned(size, fill=2)
     engine.register_buffer(addr(inside), inside.nbytes)
     p = os.path.join(direct_root, "f")
-    res = engine.run("write", [(p, 0, size, addr(inside)), (p, size, size, addr(inside) + size),
+    res = run_job(engine, Op.WRITE, [(p, 0, size, addr(inside)), (p, size, size, addr(inside) + size),
                                (p, 2 * size, size, addr(outside))])
     assert res == [size] * 3
     assert engine.stats()["fixed_buffer_ios"] == 2
     engine.unregister_buffers()
     back = aligned(3 * size)
-    assert engine.run("read", [(p, 0, 3 * size, addr(back))]) == [3 * size]
+    assert run_job(engine, Op.READ, [(p, 0, 3 * size, addr(back))]) == [3 * size]
     assert engine.stats()["fixed_buffer_ios"] == 2  # unregistered: plain reads again
     assert back.tobytes() == inside.tobytes() + outside.tobytes()
 
@@ -165,10 +168,10 @@ def test_fixed_buffers_used_by_submit_workers(direct_root, aligned):
         e.register_buffer(addr(src), src.nbytes)
         e.register_buffer(addr(dst), dst.nbytes)
         paths = [os.path.join(direct_root, f"w{i}") for i in range(4)]
-        e.submit(1, "write", [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)])
-        assert drain_poll(e) == {1: ("write", [size] * 4, 1)}
-        e.submit(2, "read", [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
-        assert drain_poll(e) == {2: ("read", [size] * 4, 1)}
+        e.submit(1, Op.WRITE, [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)])
+        assert drain_poll(e) == {1: (Op.WRITE, [size] * 4, 1)}
+        e.submit(2, Op.READ, [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
+        assert drain_poll(e) == {2: (Op.READ, [size] * 4, 1)}
         assert np.array_equal(src, dst)
         assert e.stats()["fixed_buffer_ios"] == 8
     finally:
@@ -183,22 +186,22 @@ def test_buffered_path_takes_unaligned_memory(root, aligned, engine):
     p = os.path.join(root, "buffered")
     entry = (p, 3, length, addr(src) + 1)
     with pytest.raises(ValueError, match=r"^entry 0 "):
-        engine.run("write", [entry], direct=True)  # what the buffered path exists for
+        run_job(engine, Op.WRITE, [entry], direct=True)  # what the buffered path exists for
     assert not os.path.exists(p)
-    assert engine.run("write", [entry], direct=False) == [length]
+    assert run_job(engine, Op.WRITE, [entry], direct=False) == [length]
     raw = file_bytes(p)
     assert raw == bytes(3) + src[1 : 1 + length].tobytes()
-    assert engine.run("read", [(p, 3, length, addr(dst) + 5)], direct=False) == [length]
+    assert run_job(engine, Op.READ, [(p, 3, length, addr(dst) + 5)], direct=False) == [length]
     assert np.array_equal(dst[5 : 5 + length], src[1 : 1 + length])
     assert not dst[:5].any() and not dst[5 + length :].any()  # nothing outside the request
 
     # blocks too: unaligned payload length and memory, header at 0, payload at 4096
     key = key_digest(b"k")
     final = os.path.join(root, "blk.kvb")
-    assert engine.run("write_block", [(final + ".tmp", final, length, addr(src) + 1, key)],
+    assert run_job(engine, Op.WRITE_BLOCK, [(final + ".tmp", final, length, addr(src) + 1, key)],
                       direct=False) == [length]
     dst[:] = 0
-    assert engine.run("read_block", [(final, length, addr(dst) + 3, key)], direct=False) == [length]
+    assert run_job(engine, Op.READ_BLOCK, [(final, length, addr(dst) + 3, key)], direct=False) == [length]
     assert np.array_equal(dst[3 : 3 + length], src[1 : 1 + length])
 
 
@@ -214,10 +217,10 @@ def test_missing_file_fails_only_its_entry(direct_root, aligned, engine, op):
     digests = [key_digest(b"%d" % i) for i in range(3)]
     if op == "read":
         writes = [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)]
-        assert engine.run("write", writes) == [size] * 3
+        assert run_job(engine, Op.WRITE, writes) == [size] * 3
     else:
         writes = [(p + ".t", p, size, addr(src) + i * size, digests[i]) for i, p in enumerate(paths)]
-        assert engine.run("write_block", writes) == [size] * 3
+        assert run_job(engine, Op.WRITE_BLOCK, writes) == [size] * 3
     os.unlink(paths[1])
     before = engine.stats()
     if op == "read":
@@ -225,7 +228,7 @@ def test_missing_file_fails_only_its_entry(direct_root, aligned, engine, op):
     else:
         entries = [(p, size, addr(dst) + i * size, digests[i]) for i, p in enumerate(paths)]
     dst[size : 2 * size] = 0xAB
-    assert engine.run(op, entries) == [size, -errno.ENOENT, size]
+    assert run_job(engine, op, entries) == [size, -errno.ENOENT, size]
     assert np.array_equal(dst[:size], src[:size])
     assert np.array_equal(dst[2 * size :], src[2 * size :])
     assert (dst[size : 2 * size] == 0xAB).all()  # nothing landed for the failed entry
@@ -253,9 +256,9 @@ def test_misaligned_direct_entry_rejected_before_any_io(direct_root, aligned, en
     entries = [(good, 0, 8192, addr(buf)), entry]
     with pytest.raises(ValueError) as ei:
         if via == "run":
-            engine.run("write", entries)
+            run_job(engine, Op.WRITE, entries)
         else:
-            engine.submit(1, "write", entries)
+            engine.submit(1, Op.WRITE, entries)
     msg = str(ei.value)
     assert msg.startswith(f"entry 1 ({bad}): "), msg
     assert re.search(needle, msg), msg
@@ -275,7 +278,7 @@ def test_alignment_is_the_callers(direct_root, aligned, engine, storage_base):
         pytest.skip(f"this file system needs {al}-byte O_DIRECT alignment; nothing finer to test")
     buf = aligned(4 * 4096, fill=6)
     p = os.path.join(direct_root, "fine")
-    assert engine.run("write", [(p, al, 4096 + al, addr(buf) + al)], align=al,
+    assert run_job(engine, Op.WRITE, [(p, al, 4096 + al, addr(buf) + al)], align=al,
                       mem_align=int(probe["mem_align"])) == [4096 + al]
     assert file_bytes(p)[al:] == buf[al : 4096 + 2 * al].tobytes()
 
@@ -293,7 +296,7 @@ def test_alignment_is_the_callers(direct_root, aligned, engine, storage_base):
 )
 def test_malformed_entries(engine, op, entry, needle):
     with pytest.raises(ValueError, match=needle):
-        engine.run(op, [entry], direct=False)
+        run_job(engine, op, [entry], direct=False)
     assert engine.stats()["jobs_submitted"] == 0
 
 
@@ -329,12 +332,12 @@ def test_paths_the_kernel_cannot_take_are_rejected_before_any_io(root, aligned, 
             for via in ("run", "submit"):
                 with pytest.raises(ValueError, match=r"^entry 1 \(.*\): " + needle):
                     if via == "run":
-                        e.run(op, [entry(good), bad], direct=False)
+                        run_job(e, op, [entry(good), bad], direct=False)
                     else:
                         e.submit(1, op, [entry(good), bad], direct=False)
         assert os.listdir(root) == [] and e.stats()["jobs_submitted"] == 0
         # one byte shorter reaches the kernel, which answers per entry (its directories do not exist)
-        res = e.run(op, [entry(long_[:4095])], direct=False)
+        res = run_job(e, op, [entry(long_[:4095])], direct=False)
         assert res == [-errno.ENOENT]
     finally:
         e.shutdown()
@@ -342,11 +345,11 @@ def test_paths_the_kernel_cannot_take_are_rejected_before_any_io(root, aligned, 
 
 def test_unknown_op_and_bad_align(engine):
     with pytest.raises(ValueError, match="unknown op 'copy'"):
-        engine.run("copy", [])
+        run_job(engine, "copy", [])
     with pytest.raises(ValueError, match="align must be a power of two"):
-        engine.run("read", [], align=3000)
+        run_job(engine, Op.READ, [], align=3000)
     with pytest.raises(ValueError, match="mem_align must be a power of two"):
-        engine.run("read", [], mem_align=3000)
+        run_job(engine, Op.READ, [], mem_align=3000)
     with pytest.raises(ValueError, match="queue_depth must be in 1..4096"):
         Engine(queue_depth=0)
 
@@ -359,23 +362,23 @@ def test_short_reads_are_never_success(direct_root, aligned, engine):
     with open(raw_path, "wb") as f:
         f.write(src[:10000].tobytes())  # 10000 bytes: not even a whole 4 KiB unit at the end
     before = engine.stats()
-    res = engine.run("read", [
+    res = run_job(engine, Op.READ, [
         (raw_path, 0, 16384, addr(dst)),      # file ends inside the request (direct)
         (raw_path, 16384, 4096, addr(dst)),   # starts past the end
         (raw_path, 0, 8192, addr(dst)),       # wholly inside: fine
     ])
     assert res == [_native.ERR_SHORT, _native.ERR_SHORT, 8192]
-    assert engine.run("read", [(raw_path, 0, 10001, addr(dst) + 1)], direct=False) == [_native.ERR_SHORT]
-    assert engine.run("read", [(raw_path, 0, 10000, addr(dst) + 1)], direct=False) == [10000]
+    assert run_job(engine, Op.READ, [(raw_path, 0, 10001, addr(dst) + 1)], direct=False) == [_native.ERR_SHORT]
+    assert run_job(engine, Op.READ, [(raw_path, 0, 10000, addr(dst) + 1)], direct=False) == [10000]
 
     digest = key_digest(b"blk")
     blocks = [os.path.join(direct_root, f"b{i}.kvb") for i in range(4)]
-    assert engine.run("write_block", [(b + ".t", b, size, addr(src), digest) for b in blocks]) == [size] * 4
+    assert run_job(engine, Op.WRITE_BLOCK, [(b + ".t", b, size, addr(src), digest) for b in blocks]) == [size] * 4
     os.truncate(blocks[0], HEADER_BYTES + size // 2)   # payload cut
     os.truncate(blocks[1], HEADER_BYTES)               # header only
     os.truncate(blocks[2], 100)                        # not even a header
     os.truncate(blocks[3], 0)                          # empty
-    res = engine.run("read_block", [(b, size, addr(dst), digest) for b in blocks])
+    res = run_job(engine, Op.READ_BLOCK, [(b, size, addr(dst), digest) for b in blocks])
     assert res == [_native.ERR_SHORT] * 4
     d = delta(engine.stats(), before)
     assert d["requests_failed"] == 2 + 1 + 4 and d["requests_ok"] == 1 + 1 + 4
@@ -388,9 +391,9 @@ def test_block_verification_results(direct_root, aligned, engine):
     src = aligned(2 * size, fill=8)
     d1, d2 = key_digest(b"one"), key_digest(b"two")
     p = [os.path.join(direct_root, f"v{i}.kvb") for i in range(5)]
-    assert engine.run("write_block", [(x + ".t", x, size, addr(src), d1) for x in p]) == [size] * 5
+    assert run_job(engine, Op.WRITE_BLOCK, [(x + ".t", x, size, addr(src), d1) for x in p]) == [size] * 5
     small = os.path.join(direct_root, "small.kvb")
-    assert engine.run("write_block", [(small + ".t", small, size // 2, addr(src), d1)]) == [size // 2]
+    assert run_job(engine, Op.WRITE_BLOCK, [(small + ".t", small, size // 2, addr(src), d1)]) == [size // 2]
 
     def flip(path, off):
         with open(path, "r+b") as f:
@@ -405,7 +408,7 @@ def test_block_verification_results(direct_root, aligned, engine):
     # each request its own destination: verification hashes the bytes that landed there
     dst = aligned(7 * size)
     slot = [addr(dst) + i * size for i in range(7)]
-    res = engine.run("read_block", [
+    res = run_job(engine, Op.READ_BLOCK, [
         (p[0], size, slot[0], d2),          # whole block of another key
         (p[1], size, slot[1], d1),
         (p[2], size, slot[2], d1),
@@ -429,11 +432,11 @@ def test_write_block_keeps_existing_final_file(direct_root, aligned, engine):
     second = aligned(size, fill=11)
     digest = key_digest(b"same key")
     final = os.path.join(direct_root, "x.kvb")
-    assert engine.run("write_block", [(final + ".tmp.1", final, size, addr(first), digest)]) == [size]
+    assert run_job(engine, Op.WRITE_BLOCK, [(final + ".tmp.1", final, size, addr(first), digest)]) == [size]
     original = file_bytes(final)
     ino = os.stat(final).st_ino
     # another writer of the same (content-addressed) block: its rename finds ours in place
-    assert engine.run("write_block", [(final + ".tmp.2", final, size, addr(second), digest)]) == [size]
+    assert run_job(engine, Op.WRITE_BLOCK, [(final + ".tmp.2", final, size, addr(second), digest)]) == [size]
     assert engine.stats()["rename_existing"] == 1
     assert file_bytes(final) == original and os.stat(final).st_ino == ino
     assert sorted(os.listdir(direct_root)) == ["x.kvb"]  # the duplicate temporary is gone
@@ -444,9 +447,9 @@ def test_raw_write_with_rename_target(direct_root, aligned, engine):
     a = aligned(size, fill=12)
     b = aligned(size, fill=13)
     target = os.path.join(direct_root, "target")
-    assert engine.run("write", [(target + ".t1", 0, size, addr(a), target)]) == [size]
+    assert run_job(engine, Op.WRITE, [(target + ".t1", 0, size, addr(a), target)]) == [size]
     assert file_bytes(target) == a.tobytes()
-    assert engine.run("write", [(target + ".t2", 0, size, addr(b), target)]) == [size]
+    assert run_job(engine, Op.WRITE, [(target + ".t2", 0, size, addr(b), target)]) == [size]
     assert engine.stats()["rename_existing"] == 1
     assert file_bytes(target) == a.tobytes()
     assert sorted(os.listdir(direct_root)) == ["target"]
@@ -457,7 +460,7 @@ def test_write_block_fsync(direct_root, aligned, engine):
     src = aligned(size, fill=14)
     final = os.path.join(direct_root, "s.kvb")
     before = engine.stats()
-    assert engine.run("write_block", [(final + ".t", final, size, addr(src), key_digest(b"s"))],
+    assert run_job(engine, Op.WRITE_BLOCK, [(final + ".t", final, size, addr(src), key_digest(b"s"))],
                       fsync=True) == [size]
     # open, header + data (one WRITEV), fsync, close, then the rename; then the directory's fsync
     d = delta(engine.stats(), before)
@@ -480,7 +483,7 @@ def test_failed_rename_removes_the_temporary(direct_root, aligned, kind, op):
             entries = [(tmp[i], 0, size, addr(src) + i * size, final[i]) for i in range(2)]
         else:
             entries = [(tmp[i], final[i], size, addr(src) + i * size, key_digest(b"%d" % i)) for i in range(2)]
-        assert e.run(op, entries) == [-errno.ENOENT, size]
+        assert run_job(e, op, entries) == [-errno.ENOENT, size]
         assert os.listdir(direct_root) == ["f1"]
         s = e.stats()
         assert s["requests_failed"] == 1 and s["bytes_written"] == size
@@ -495,7 +498,7 @@ def test_failed_exclusive_open_leaves_foreign_temporary_alone(direct_root, align
     tmp = final + ".tmp.1"
     with open(tmp, "wb") as f:  # another writer's temporary, in progress
         f.write(b"theirs")
-    assert engine.run("write_block", [(tmp, final, size, addr(src), key_digest(b"y"))]) == [-errno.EEXIST]
+    assert run_job(engine, Op.WRITE_BLOCK, [(tmp, final, size, addr(src), key_digest(b"y"))]) == [-errno.EEXIST]
     assert not os.path.exists(final)
     assert file_bytes(tmp) == b"theirs"
 
@@ -505,11 +508,11 @@ def test_unlink(root, engine):
     for p in paths[:3]:
         with open(p, "wb") as f:
             f.write(b"x")
-    res = engine.run("unlink", [paths[0], (paths[1],), paths[3], paths[2]], direct=False)
+    res = run_job(engine, Op.UNLINK, [paths[0], (paths[1],), paths[3], paths[2]], direct=False)
     assert res == [0, 0, -errno.ENOENT, 0]
     assert os.listdir(root) == []
-    engine.submit(5, "unlink", [paths[0]])
-    assert drain_poll(engine) == {5: ("unlink", [-errno.ENOENT], 1)}
+    engine.submit(5, Op.UNLINK, [paths[0]])
+    assert drain_poll(engine) == {5: (Op.UNLINK, [-errno.ENOENT], 1)}
 
 
 # ------------------------------------------------------------------------- submit counts
@@ -517,7 +520,7 @@ def test_unlink(root, engine):
 
 def _make_files(engine, root, src, n, size):
     paths = [os.path.join(root, f"r{i}") for i in range(n)]
-    assert engine.run("write", [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)]) == [size] * n
+    assert run_job(engine, Op.WRITE, [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)]) == [size] * n
     return paths
 
 
@@ -530,15 +533,15 @@ def test_run_batch_is_one_submit(direct_root, aligned, op):
         dst = aligned(qd * size)
         digests = [key_digest(b"%d" % i) for i in range(qd)]
         paths = [os.path.join(direct_root, f"r{i}") for i in range(qd)]
-        assert e.run("write_block", [(p + ".t", p, size, addr(src) + i * size, digests[i])
+        assert run_job(e, Op.WRITE_BLOCK, [(p + ".t", p, size, addr(src) + i * size, digests[i])
                                      for i, p in enumerate(paths)]) == [size] * qd
         if op == "read":
-            e.run("write", [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)])
+            run_job(e, Op.WRITE, [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)])
             entries = [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)]
         else:
             entries = [(p, size, addr(dst) + i * size, digests[i]) for i, p in enumerate(paths)]
         before = e.stats()
-        assert e.run(op, entries) == [size] * qd
+        assert run_job(e, op, entries) == [size] * qd
         d = delta(e.stats(), before)
         assert d["submits"] == 1
         # open, [statx of the link count, header], data, close
@@ -553,13 +556,15 @@ _THREADS_SCRIPT = r"""
 import sys, threading
 import numpy as np
 from pykvtier import _native
+from pykvtier._native import Op
+from pykvtier.engines import run_job
 e = _native.Engine(queue_depth=4)
 buf = np.zeros(4096, np.uint8)
 path = sys.argv[1]
 bad = []
 def work(i):
     try:
-        r = e.run("write", [(path, 0, 4096, buf.ctypes.data)], direct=False)
+        r = run_job(e, Op.WRITE, [(path, 0, 4096, buf.ctypes.data)], direct=False)
         if r != [4096]:
             bad.append((i, r))
     except Exception as exc:
@@ -582,18 +587,6 @@ def test_run_from_short_lived_threads(root):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
-def test_run_reports_per_request_latencies(root, aligned, engine):
-    size = 4 * KiB
-    src = aligned(3 * size, fill=22)
-    paths = [os.path.join(root, f"l{i}") for i in range(3)]
-    entries = [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)]
-    entries.insert(1, (os.path.join(root, "missing", "x"), 0, size, addr(src)))
-    results, lat = engine.run("write", entries, direct=False, latencies=True)
-    assert results == [size, -errno.ENOENT, size, size]
-    assert len(lat) == 4 and all(isinstance(x, float) and x >= 0 for x in lat)
-    assert engine.run("write", entries[:1], direct=False) == [size]  # plain list without it
-
-
 @pytest.mark.parametrize("op", ["read", "read_block", "write", "write_block"])
 def test_submitted_job_is_one_submit(direct_root, aligned, op):
     qd, size, jobs = 16, 64 * KiB, 4
@@ -607,7 +600,7 @@ def test_submitted_job_is_one_submit(direct_root, aligned, op):
         if op == "read":
             _make_files(e, direct_root, src, n, size)
         elif op == "read_block":
-            e.run("write_block", [(p + ".t", p, size, addr(src) + i * size, digests[i])
+            run_job(e, Op.WRITE_BLOCK, [(p + ".t", p, size, addr(src) + i * size, digests[i])
                                   for i, p in enumerate(paths)])
         before = e.stats()
         mem = dst if op.startswith("read") else src
@@ -623,7 +616,7 @@ def test_submitted_job_is_one_submit(direct_root, aligned, op):
                 entries = [(paths[i] + ".t", paths[i], size, addr(mem) + i * size, digests[i]) for i in idx]
             e.submit(100 + j, op, entries)
         got = drain_poll(e)
-        assert got == {100 + j: (op, [size] * qd, 1) for j in range(jobs)}
+        assert got == {100 + j: (getattr(Op, op.upper()), [size] * qd, 1) for j in range(jobs)}
         d = delta(e.stats(), before)
         if op.startswith("read"):
             assert d["submits"] == jobs  # exactly one io_uring_submit per job
@@ -655,16 +648,16 @@ def test_more_requests_than_the_ring_holds(direct_root, aligned, via, limit):
         reads = [(p, size, addr(dst) + i * size, digests[i]) for i, p in enumerate(paths)]
         before = e.stats()
         if via == "run":
-            assert e.run("write_block", writes) == [size] * n
-            assert e.run("read_block", reads) == [size] * n
+            assert run_job(e, Op.WRITE_BLOCK, writes) == [size] * n
+            assert run_job(e, Op.READ_BLOCK, reads) == [size] * n
             jobs_submits = None
         else:
-            e.submit(1, "write_block", writes)
+            e.submit(1, Op.WRITE_BLOCK, writes)
             e.drain()  # the reads need the files
-            e.submit(2, "read_block", reads)
+            e.submit(2, Op.READ_BLOCK, reads)
             got = drain_poll(e)
-            assert got[1][:2] == ("write_block", [size] * n)
-            assert got[2][:2] == ("read_block", [size] * n)
+            assert got[1][:2] == (Op.WRITE_BLOCK, [size] * n)
+            assert got[2][:2] == (Op.READ_BLOCK, [size] * n)
             jobs_submits = got[2][2]
         assert np.array_equal(src, dst)
         min_submits = -(-n // per_submit)
@@ -695,7 +688,7 @@ def test_poll_reports_each_job_once(root, aligned, engine):
         for jid, op, results, submits, _q, _t in engine.poll():
             assert jid not in got, f"job {jid} reported twice"
             got[jid] = (op, results, submits)
-    assert got == {1000 + i: ("write", [size], 1) for i in range(n)}
+    assert got == {1000 + i: (Op.WRITE, [size], 1) for i in range(n)}
     assert engine.poll() == [] and engine.wait(0) is False
     for i, p in enumerate(paths):
         assert file_bytes(p) == src[i * size : (i + 1) * size].tobytes()
@@ -709,17 +702,17 @@ def test_drain_many_jobs(root, aligned):
         dst = aligned(n * size)
         paths = [os.path.join(root, f"d{i}") for i in range(n)]
         for i in range(n):
-            e.submit(i, "write", [(paths[i], 0, size, addr(src) + i * size)], direct=False)
-        assert drain_poll(e) == {i: ("write", [size], 1) for i in range(n)}  # 1 request: 1 submit
+            e.submit(i, Op.WRITE, [(paths[i], 0, size, addr(src) + i * size)], direct=False)
+        assert drain_poll(e) == {i: (Op.WRITE, [size], 1) for i in range(n)}  # 1 request: 1 submit
         # reads of pairs, and an empty job (finishes at once)
         for i in range(0, n, 2):
             e.submit(10_000 + i, "read", [(paths[i + 1], 0, size, addr(dst) + (i + 1) * size),
                                           (paths[i], 0, size, addr(dst) + i * size)], direct=False)
-        e.submit(99_999, "read", [])
+        e.submit(99_999, Op.READ, [])
         got = drain_poll(e)
-        assert got.pop(99_999) == ("read", [], 0)
+        assert got.pop(99_999) == (Op.READ, [], 0)
         assert {jid: r[:2] for jid, r in got.items()} == {
-            10_000 + i: ("read", [size, size]) for i in range(0, n, 2)}
+            10_000 + i: (Op.READ, [size, size]) for i in range(0, n, 2)}
         # a worker admits a job only when all of it fits its ring: one submit per job
         assert all(r[2] == 1 for r in got.values())
         assert np.array_equal(src, dst)
@@ -737,20 +730,20 @@ def test_shutdown_completes_pending_work(direct_root, aligned, kind):
     src = aligned(n * size, fill=21)
     paths = [os.path.join(direct_root, f"s{i}") for i in range(n)]
     for i in range(n):
-        e.submit(i, "write_block",
+        e.submit(i, Op.WRITE_BLOCK,
                  [(paths[i] + ".t", paths[i], size, addr(src) + i * size, key_digest(b"%d" % i))])
     e.shutdown()  # no drain first
     assert e.pending_jobs() == 0
     got = {jid: (op, results) for jid, op, results, *_ in e.poll()}
-    assert got == {i: ("write_block", [size]) for i in range(n)}
+    assert got == {i: (Op.WRITE_BLOCK, [size]) for i in range(n)}
     for i in range(n):
         assert file_bytes(paths[i])[HEADER_BYTES:] == src[i * size : (i + 1) * size].tobytes()
     assert sorted(os.listdir(direct_root)) == sorted(os.path.basename(p) for p in paths)
     with pytest.raises(RuntimeError, match="shut down"):
-        e.submit(n, "unlink", [paths[0]])
+        e.submit(n, Op.UNLINK, [paths[0]])
     if kind == "posix":  # (the io_uring engine's run() uses the caller's own ring)
         with pytest.raises(RuntimeError, match="shut down"):
-            e.run("unlink", [paths[0]])
+            run_job(e, Op.UNLINK, [paths[0]])
     e.shutdown()  # idempotent
     assert os.path.exists(paths[0])
 
@@ -771,10 +764,10 @@ def test_large_batch_round_trip(direct_root, aligned):
         e.register_buffer(addr(dst), dst.nbytes)
         paths = [os.path.join(direct_root, f"L{i}.kvb") for i in range(n)]
         digests = [key_digest(b"L%d" % i) for i in range(n)]
-        e.submit(1, "write_block", [(p + ".t", p, size, addr(src) + i * size, digests[i])
+        e.submit(1, Op.WRITE_BLOCK, [(p + ".t", p, size, addr(src) + i * size, digests[i])
                                     for i, p in enumerate(paths)])
         assert drain_poll(e)[1][1] == [size] * n
-        e.submit(2, "read_block", [(p, size, addr(dst) + i * size, digests[i]) for i, p in enumerate(paths)])
+        e.submit(2, Op.READ_BLOCK, [(p, size, addr(dst) + i * size, digests[i]) for i, p in enumerate(paths)])
         op, results, submits = drain_poll(e)[2]
         assert results == [size] * n
         assert submits >= -(-n * size // (256 * MiB))  # bounded by max_inflight_bytes
@@ -792,9 +785,9 @@ def test_one_gib_request(direct_root, aligned):
         buf = aligned(GiB)
         buf.view(np.uint64)[:] = np.arange(GiB // 8, dtype=np.uint64)
         p = os.path.join(direct_root, "big")
-        assert e.run("write", [(p, 0, GiB, addr(buf))]) == [GiB]
+        assert run_job(e, Op.WRITE, [(p, 0, GiB, addr(buf))]) == [GiB]
         back = aligned(GiB)
-        assert e.run("read", [(p, 0, GiB, addr(back))]) == [GiB]
+        assert run_job(e, Op.READ, [(p, 0, GiB, addr(back))]) == [GiB]
         assert np.array_equal(buf, back)
     finally:
         e.shutdown()
@@ -814,10 +807,10 @@ def test_loads_overtake_a_burst_of_stores(direct_root, aligned, kind):
         src = aligned(n_store * size, fill=3)
         dst = aligned(2 * size)
         paths = [os.path.join(direct_root, f"l{i}") for i in range(2)]
-        e.run("write", [(p, 0, size, addr(src)) for p in paths])
-        e.submit(1, "write", [(os.path.join(direct_root, f"s{i}"), 0, size, addr(src) + i * size)
+        run_job(e, Op.WRITE, [(p, 0, size, addr(src)) for p in paths])
+        e.submit(1, Op.WRITE, [(os.path.join(direct_root, f"s{i}"), 0, size, addr(src) + i * size)
                               for i in range(n_store)])
-        e.submit(2, "read", [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
+        e.submit(2, Op.READ, [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)])
         order = [jid for jid, *_ in e.poll()]
         if order or e.stats()["bytes_written"] >= (2 + n_store // 2) * size:
             # this thread was off the CPU while half the stores ran: the load came too late to

@@ -21,6 +21,8 @@ import tempfile
 import numpy as np
 import pytest
 
+from pykvtier._native import Op
+from pykvtier.engines import run_job
 from pykvtier import _native
 from pykvtier.layout import HEADER_BYTES, key_digest
 
@@ -97,7 +99,7 @@ def attribute(path: str, attr: str):
 
 
 def store(engine, src, final, key, **kw):
-    return engine.run("write_block", [(final + ".tmp", final, SIZE, addr(src), key_digest(key))], **kw)
+    return run_job(engine, Op.WRITE_BLOCK, [(final + ".tmp", final, SIZE, addr(src), key_digest(key))], **kw)
 
 
 # ------------------------------------------------------------------------- 1: links
@@ -119,7 +121,7 @@ def test_symlink_at_a_block_path_is_never_read(root, outside, aligned, engine, t
     os.symlink(target, block)
     dst = aligned(SIZE)
     dst[:] = 0xAB  # the caller's own bytes
-    assert engine.run("read_block", [(block, SIZE, addr(dst), key_digest(b"k"))], direct=False) == [-errno.ELOOP]
+    assert run_job(engine, Op.READ_BLOCK, [(block, SIZE, addr(dst), key_digest(b"k"))], direct=False) == [-errno.ELOOP]
     assert (dst == 0xAB).all()  # the open was refused: nothing landed
     s = engine.stats()
     assert s["bytes_read"] == 0 and s["requests_failed"] == 1 and s["verify_failures"] == 0
@@ -129,7 +131,7 @@ def test_symlink_at_a_block_path_is_never_read(root, outside, aligned, engine, t
     assert os.path.islink(block) and file_bytes(target) == before
     assert sorted(os.listdir(root)) == ["b.kvb"] and os.listdir(outside) == ["target.kvb"]
     # evicting it removes the link, never its target
-    assert engine.run("unlink", [block]) == [0]
+    assert run_job(engine, Op.UNLINK, [block]) == [0]
     assert os.listdir(root) == [] and file_bytes(target) == before
 
 
@@ -140,12 +142,12 @@ def test_hard_linked_block_file_fails_emlink(root, aligned, engine):
     os.link(block, os.path.join(root, "other"))
     dst = aligned(SIZE)
     dst[:] = 0xAB
-    assert engine.run("read_block", [(block, SIZE, addr(dst), key_digest(b"k"))], direct=False) == [-errno.EMLINK]
+    assert run_job(engine, Op.READ_BLOCK, [(block, SIZE, addr(dst), key_digest(b"k"))], direct=False) == [-errno.EMLINK]
     assert not dst.any()  # the file was opened: whatever was read is zeroed
     s = engine.stats()
     assert s["bytes_read"] == 0 and s["verify_failures"] == 0
     os.unlink(os.path.join(root, "other"))  # one link again: loads as before
-    assert engine.run("read_block", [(block, SIZE, addr(dst), key_digest(b"k"))], direct=False) == [SIZE]
+    assert run_job(engine, Op.READ_BLOCK, [(block, SIZE, addr(dst), key_digest(b"k"))], direct=False) == [SIZE]
     assert np.array_equal(dst, src)
 
 
@@ -156,7 +158,7 @@ def test_failed_verification_zeroes_the_slot(root, aligned, engine):
     dst = aligned(SIZE)
     dst[:] = 0xAB
     # a whole block of another key: its bytes were read into the slot, then refused
-    assert engine.run("read_block", [(block, SIZE, addr(dst), key_digest(b"other"))],
+    assert run_job(engine, Op.READ_BLOCK, [(block, SIZE, addr(dst), key_digest(b"other"))],
                       direct=False) == [_native.ERR_KEY_MISMATCH]
     assert not dst.any()
 
@@ -182,23 +184,23 @@ def test_symlinked_fanout_directory(root, outside, aligned, engine):
     # load through it (a valid block of the key sits there)
     dst = aligned(SIZE)
     dst[:] = 0xAB
-    assert engine.run("read_block", [(os.path.join(linked, "x.kvb"), SIZE, addr(dst), key_digest(b"x"))],
+    assert run_job(engine, Op.READ_BLOCK, [(os.path.join(linked, "x.kvb"), SIZE, addr(dst), key_digest(b"x"))],
                       direct=False) == [-errno.ELOOP]
     assert (dst == 0xAB).all()
     # evict through it
-    assert engine.run("unlink", [os.path.join(linked, "x.kvb")]) == [-errno.ELOOP]
+    assert run_job(engine, Op.UNLINK, [os.path.join(linked, "x.kvb")]) == [-errno.ELOOP]
     # recycle a "victim" through it into a real directory: the victim is left alone, the store
     # writes a fresh file
     final = os.path.join(real, "z.kvb")
     entry = (final + ".tmp", final, SIZE, addr(src), key_digest(b"z"), os.path.join(linked, "v.kvb"))
-    assert engine.run("write_block", [entry], direct=False) == [SIZE]
+    assert run_job(engine, Op.WRITE_BLOCK, [entry], direct=False) == [SIZE]
     assert os.listdir(real) == ["z.kvb"] and file_bytes(final)[HEADER_BYTES:] == src.tobytes()
     # recycle a real victim into the linked directory: the store fails, nothing moves outside
     # (the victim, untouched, is removed as any victim that could not be reused)
     victim = os.path.join(real, "z.kvb")
     final2 = os.path.join(linked, "w.kvb")
     entry = (final2 + ".tmp", final2, SIZE, addr(src), key_digest(b"w"), victim)
-    assert engine.run("write_block", [entry], direct=False) == [-errno.ELOOP]
+    assert run_job(engine, Op.WRITE_BLOCK, [entry], direct=False) == [-errno.ELOOP]
     assert os.listdir(real) == []
 
     assert {n: file_bytes(os.path.join(outside, n)) for n in os.listdir(outside)} == snapshot
@@ -231,11 +233,11 @@ def test_fanout_swapped_for_a_link_after_use_touches_nothing_outside(root, outsi
     uring = isinstance(engine, _native.Engine)
 
     before = engine.stats()
-    assert engine.run("unlink", [a]) == [0 if uring else -errno.ELOOP]
+    assert run_job(engine, Op.UNLINK, [a]) == [0 if uring else -errno.ELOOP]
     mid = engine.stats()
     n = os.path.join(fan, "n.kvb")
     entry = (n + ".tmp", n, SIZE, addr(src), key_digest(b"n"), v)
-    assert engine.run("write_block", [entry], direct=False) == [SIZE if uring else -errno.ELOOP]
+    assert run_job(engine, Op.WRITE_BLOCK, [entry], direct=False) == [SIZE if uring else -errno.ELOOP]
     after = engine.stats()
 
     assert {name: file_bytes(os.path.join(outside, name)) for name in os.listdir(outside)} == snapshot
@@ -271,7 +273,7 @@ def test_created_files_get_the_exact_mode(root, aligned, engine, umask022, mode)
     assert store(engine, src, block, b"k", direct=False, **kw) == [SIZE]
     assert os.stat(block).st_mode & 0o777 == (0o600 if mode is None else mode)
     raw = os.path.join(root, "raw")
-    assert engine.run("write", [(raw + ".t", 0, SIZE, addr(src), raw)], direct=False, **kw) == [SIZE]
+    assert run_job(engine, Op.WRITE, [(raw + ".t", 0, SIZE, addr(src), raw)], direct=False, **kw) == [SIZE]
     assert os.stat(raw).st_mode & 0o777 == (0o600 if mode is None else mode)
 
 
@@ -281,7 +283,7 @@ def test_recycled_file_takes_the_mode(root, aligned, engine, umask022):
     assert store(engine, src, victim, b"v", direct=False, file_mode=0o644) == [SIZE]
     final = os.path.join(root, "n.kvb")
     entry = (final + ".tmp", final, SIZE, addr(src), key_digest(b"n"), victim)
-    assert engine.run("write_block", [entry], direct=False) == [SIZE]
+    assert run_job(engine, Op.WRITE_BLOCK, [entry], direct=False) == [SIZE]
     assert engine.stats()["recycled"] == 1 and os.listdir(root) == ["n.kvb"]
     assert os.stat(final).st_mode & 0o777 == 0o600
 
@@ -308,7 +310,7 @@ def test_file_truncated_meanwhile_is_short(direct_root, aligned, engine, direct)
     os.truncate(blocks[1], 1000)                            # header cut
     dst = aligned(2 * SIZE)
     dst[:] = 0xAB
-    res = engine.run("read_block", [(b, SIZE, addr(dst) + i * SIZE, key_digest(b"k")) for i, b in enumerate(blocks)],
+    res = run_job(engine, Op.READ_BLOCK, [(b, SIZE, addr(dst) + i * SIZE, key_digest(b"k")) for i, b in enumerate(blocks)],
                      direct=direct)
     assert res == [_native.ERR_SHORT] * 2
     assert not dst.any()
@@ -339,7 +341,7 @@ def eio_block(src):
         block = os.path.join(mnt, "e.kvb")
         w = _native.PosixEngine(queue_depth=1, threads=1)
         try:
-            assert w.run("write_block", [(block + ".t", block, SIZE, addr(src), key_digest(b"e"))],
+            assert run_job(w, Op.WRITE_BLOCK, [(block + ".t", block, SIZE, addr(src), key_digest(b"e"))],
                          fsync=True) == [SIZE]
         finally:
             w.shutdown()
@@ -376,7 +378,7 @@ def test_eio_part_way_is_reported_as_eio(aligned, engine, direct):
         drop_cache(block)
         dst = aligned(SIZE)
         dst[:] = 0xAB
-        assert engine.run("read_block", [(block, SIZE, addr(dst), key_digest(b"e"))], direct=direct) == [-errno.EIO]
+        assert run_job(engine, Op.READ_BLOCK, [(block, SIZE, addr(dst), key_digest(b"e"))], direct=direct) == [-errno.EIO]
         assert not dst.any()
         s = engine.stats()
         assert s["verify_failures"] == 0 and s["bytes_read"] == 0 and s["requests_failed"] == 1
@@ -399,24 +401,24 @@ def test_fsync_syncs_each_directory_once_per_job(root, aligned, engine):
             out.append((final + ".tmp", final, SIZE, addr(src) + i * SIZE, key_digest(b"%s%d" % (tag.encode(), i))))
         return out
 
-    assert engine.run("write_block", entries("a")) == [SIZE] * 6  # fsync=False
+    assert run_job(engine, Op.WRITE_BLOCK, entries("a")) == [SIZE] * 6  # fsync=False
     assert engine.stats()["dir_fsyncs"] == 0
-    assert engine.run("write_block", entries("b"), fsync=True) == [SIZE] * 6
+    assert run_job(engine, Op.WRITE_BLOCK, entries("b"), fsync=True) == [SIZE] * 6
     assert engine.stats()["dir_fsyncs"] == n_dirs
     if isinstance(engine, _native.Engine):
-        engine.submit(7, "write_block", entries("c"), fsync=True)
+        engine.submit(7, Op.WRITE_BLOCK, entries("c"), fsync=True)
         engine.drain()
         assert [(j, r) for j, _op, r, *_ in engine.poll()] == [(7, [SIZE] * 6)]
     else:
-        assert engine.run("write_block", entries("c"), fsync=True) == [SIZE] * 6
+        assert run_job(engine, Op.WRITE_BLOCK, entries("c"), fsync=True) == [SIZE] * 6
     assert engine.stats()["dir_fsyncs"] == 2 * n_dirs
     # a failed entry's directory is not synced; a job with nothing renamed syncs nothing
     bad = [(os.path.join(root, "gone", "x.tmp"), os.path.join(root, "gone", "x.kvb"), SIZE, addr(src),
             key_digest(b"x"))]
-    assert engine.run("write_block", bad, fsync=True) == [-errno.ENOENT]
+    assert run_job(engine, Op.WRITE_BLOCK, bad, fsync=True) == [-errno.ENOENT]
     assert engine.stats()["dir_fsyncs"] == 2 * n_dirs
     # reads and unlinks sync nothing
-    assert engine.run("unlink", [e[1] for e in entries("a")]) == [0] * 6
+    assert run_job(engine, Op.UNLINK, [e[1] for e in entries("a")]) == [0] * 6
     assert engine.stats()["dir_fsyncs"] == 2 * n_dirs
 
 
@@ -452,7 +454,7 @@ def test_recycle_victim_that_cannot_be_removed_is_a_leftover(root, aligned, engi
     with attribute(vdir, "a"):
         # the victim can be neither renamed out of its directory nor removed: a fresh file is
         # written, the victim handed back
-        assert engine.run("write_block", [entry]) == [SIZE]
+        assert run_job(engine, Op.WRITE_BLOCK, [entry]) == [SIZE]
         assert engine.take_leftovers() == [victim]
         s = engine.stats()
         assert s["recycled"] == 0 and s["recycle_failures"] == 1
@@ -515,7 +517,7 @@ def test_probe_on_a_full_file_system(aligned):
         block = os.path.join(blocks, "ab", "b.kvb")
         e = _native.PosixEngine(queue_depth=1, threads=1)
         try:
-            assert e.run("write_block", [(block + ".t", block, SIZE, addr(src), key_digest(b"b"))],
+            assert run_job(e, Op.WRITE_BLOCK, [(block + ".t", block, SIZE, addr(src), key_digest(b"b"))],
                          direct=False) == [SIZE]
         finally:
             e.shutdown()

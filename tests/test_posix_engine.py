@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from pykvtier._native import Op
+from pykvtier.engines import run_job
 from pykvtier import _native
 from pykvtier.layout import HEADER_BYTES, key_digest
 
@@ -35,7 +37,6 @@ from test_engine import (  # noqa: F401  (collected again here, with the fixture
     test_misaligned_direct_entry_rejected_before_any_io,
     test_missing_file_fails_only_its_entry,
     test_raw_write_with_rename_target,
-    test_run_reports_per_request_latencies,
     test_short_reads_are_never_success,
     test_write_block_keeps_existing_final_file,
 )
@@ -58,21 +59,21 @@ def test_block_and_raw_round_trip(direct_root, aligned, engine, size):
     dst = aligned(n * size)
     paths = [os.path.join(direct_root, f"b{i}.kvb") for i in range(n)]
     digests = [key_digest(b"k%d" % i) for i in range(n)]
-    engine.submit(1, "write_block", [(p + ".t", p, size, addr(src) + i * size, digests[i])
+    engine.submit(1, Op.WRITE_BLOCK, [(p + ".t", p, size, addr(src) + i * size, digests[i])
                                      for i, p in enumerate(paths)])
-    assert drain_poll(engine) == {1: ("write_block", [size] * n, 0)}  # 0: no io_uring_submit
+    assert drain_poll(engine) == {1: (Op.WRITE_BLOCK, [size] * n, 0)}  # 0: no io_uring_submit
     assert sorted(os.listdir(direct_root)) == sorted(os.path.basename(p) for p in paths)
     for i, p in enumerate(paths):
         assert file_bytes(p)[HEADER_BYTES:] == src[i * size : (i + 1) * size].tobytes()
     # read back in reverse into other slots
-    engine.submit(2, "read_block", [(p, size, addr(dst) + (n - 1 - i) * size, digests[i])
+    engine.submit(2, Op.READ_BLOCK, [(p, size, addr(dst) + (n - 1 - i) * size, digests[i])
                                     for i, p in enumerate(paths)])
-    assert drain_poll(engine) == {2: ("read_block", [size] * n, 0)}
+    assert drain_poll(engine) == {2: (Op.READ_BLOCK, [size] * n, 0)}
     for i in range(n):
         assert np.array_equal(dst[(n - 1 - i) * size : (n - i) * size], src[i * size : (i + 1) * size])
     raw = os.path.join(direct_root, "raw")
-    assert engine.run("write", [(raw, size, size, addr(src)), (raw + "2", 0, size, addr(src) + size)]) == [size] * 2
-    assert engine.run("read", [(raw, size, size, addr(dst))]) == [size]
+    assert run_job(engine, Op.WRITE, [(raw, size, size, addr(src)), (raw + "2", 0, size, addr(src) + size)]) == [size] * 2
+    assert run_job(engine, Op.READ, [(raw, size, size, addr(dst))]) == [size]
     assert np.array_equal(dst[:size], src[:size])
     s = engine.stats()
     assert s["jobs_submitted"] == s["jobs_finished"] == 4
@@ -111,12 +112,12 @@ def test_unlink_and_empty_jobs(root, engine):
     for p in paths[:2]:
         with open(p, "wb") as f:
             f.write(b"x")
-    assert engine.run("unlink", [paths[0], (paths[1],), paths[2]], direct=False) == [0, 0, -errno.ENOENT]
+    assert run_job(engine, Op.UNLINK, [paths[0], (paths[1],), paths[2]], direct=False) == [0, 0, -errno.ENOENT]
     assert os.listdir(root) == []
-    engine.submit(7, "unlink", [paths[0]])
-    engine.submit(8, "read", [])
-    assert engine.run("read", []) == []
-    assert drain_poll(engine) == {7: ("unlink", [-errno.ENOENT], 0), 8: ("read", [], 0)}
+    assert run_job(engine, Op.READ, []) == []
+    engine.submit(7, Op.UNLINK, [paths[0]])
+    engine.submit(8, Op.READ, [])
+    assert drain_poll(engine) == {7: (Op.UNLINK, [-errno.ENOENT], 0), 8: (Op.READ, [], 0)}
     s = engine.stats()
     assert s["requests_ok"] == 2 and s["requests_failed"] == 2
 
@@ -125,21 +126,22 @@ _SHUTDOWN_SCRIPT = r"""
 import mmap, os, sys
 import numpy as np
 from pykvtier import _native
+from pykvtier._native import Op
 from pykvtier.layout import key_digest
 root = sys.argv[1]
 # 4 threads, stores may hold 1: three threads sleep on the store limit while one writes
 e = _native.PosixEngine(threads=4, store_share=0.25)
 m = mmap.mmap(-1, 64 << 10)
 a = np.frombuffer(m, dtype=np.uint8).ctypes.data
-e.submit(1, "write_block", [(f"{root}/b{i}.t", f"{root}/b{i}", 64 << 10, a, key_digest(b"%d" % i))
+e.submit(1, Op.WRITE_BLOCK, [(f"{root}/b{i}.t", f"{root}/b{i}", 64 << 10, a, key_digest(b"%d" % i))
                             for i in range(200)])
-e.submit(2, "unlink", [f"{root}/none{i}" for i in range(50)])
+e.submit(2, Op.UNLINK, [f"{root}/none{i}" for i in range(50)])
 e.shutdown()  # no drain first: the queued requests finish, then every thread stops
 got = {jid: results for jid, _op, results, *_ in e.poll()}
 assert got[1] == [64 << 10] * 200 and got[2] == [-2] * 50, got
 del e
 e = _native.PosixEngine(threads=16)
-e.submit(3, "write_block", [(f"{root}/c{i}.t", f"{root}/c{i}", 64 << 10, a, key_digest(b"c%d" % i))
+e.submit(3, Op.WRITE_BLOCK, [(f"{root}/c{i}.t", f"{root}/c{i}", 64 << 10, a, key_digest(b"c%d" % i))
                             for i in range(100)])
 del e  # the destructor: same path, with the jobs unpolled
 print(len(os.listdir(root)))
@@ -160,10 +162,10 @@ def test_never_waits_on_a_fifo_and_reads_what_io_uring_reads(root, aligned, engi
     fifo = os.path.join(root, "fifo")
     os.mkfifo(fifo)
     # an in-place write to a FIFO without a reader: the open does not wait for one
-    assert engine.run("write", [(fifo, 0, 4096, addr(buf))], direct=False) == [-errno.ENXIO]
+    assert run_job(engine, Op.WRITE, [(fifo, 0, 4096, addr(buf))], direct=False) == [-errno.ENXIO]
     # reads: the open does not wait for a writer; the positioned read of a FIFO fails
-    assert engine.run("read", [(fifo, 0, 4096, addr(buf))], direct=False) == [-errno.ESPIPE]
-    assert engine.run("read_block", [(fifo, 4096, addr(buf), key_digest(b"f"))],
+    assert run_job(engine, Op.READ, [(fifo, 0, 4096, addr(buf))], direct=False) == [-errno.ESPIPE]
+    assert run_job(engine, Op.READ_BLOCK, [(fifo, 4096, addr(buf), key_digest(b"f"))],
                       direct=False) == [-errno.ESPIPE]
     # not a regular file, read as the io_uring engine reads it
     ref = _native.Engine(queue_depth=4)
@@ -172,6 +174,6 @@ def test_never_waits_on_a_fifo_and_reads_what_io_uring_reads(root, aligned, engi
                          ("/dev/null", "read_block")]:
             entry = ((path, 0, 4096, addr(buf)) if op == "read"
                      else (path, 4096, addr(buf), key_digest(b"z")))
-            assert engine.run(op, [entry], direct=False) == ref.run(op, [entry], direct=False), (path, op)
+            assert run_job(engine, op, [entry], direct=False) == run_job(ref, op, [entry], direct=False), (path, op)
     finally:
         ref.shutdown()

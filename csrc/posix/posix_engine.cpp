@@ -1,8 +1,6 @@
 // posix engine: see posix_engine.hpp.
 #include "posix_engine.hpp"
 
-#include "safe_path.hpp"
-
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -16,53 +14,12 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "file_ops.hpp"
+
 namespace pykvtier {
 
-namespace {
-
-// preadv/pwritev of total bytes (iov0: cnt0 buffers) at file offset offset until all are moved,
-// EOF or an error, retrying EINTR. After a short transfer the next one starts where the last
-// ended -- rounded down to unit bytes (O_DIRECT: the alignment it needs; else 1), so a short
-// O_DIRECT read at an unaligned end of file is followed by an aligned one that finds the real
-// end (or the error: EIO on a bad sector) instead of failing EINVAL. Returns the bytes moved
-// or -errno.
-int64_t io_full(bool write, int fd, const iovec* iov0, int cnt0, uint64_t offset, uint64_t total,
-                uint64_t unit) {
-  uint64_t done = 0;
-  while (done < total) {
-    const uint64_t pos = done - done % unit;
-    iovec iov[2];
-    int cnt = 0;
-    uint64_t skip = pos;
-    for (int i = 0; i < cnt0; ++i) {
-      if (skip >= iov0[i].iov_len) {
-        skip -= iov0[i].iov_len;
-        continue;
-      }
-      iov[cnt++] = {static_cast<char*>(iov0[i].iov_base) + skip, iov0[i].iov_len - skip};
-      skip = 0;
-    }
-    ssize_t n = write ? ::pwritev(fd, iov, cnt, off_t(offset + pos)) : ::preadv(fd, iov, cnt, off_t(offset + pos));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (pos + uint64_t(n) <= done) break;  // nothing new: the end of the file (or no room)
-    done = pos + uint64_t(n);
-  }
-  return int64_t(done);
-}
-
-// A file a store may overwrite in place: regular, one link, no longer than a block.
-bool reusable(const struct stat& st, uint64_t length) {
-  return S_ISREG(st.st_mode) && st.st_nlink == 1 && uint64_t(st.st_size) <= kHeaderBytes + length;
-}
-
-// Block files (read_block, write_block) and unlinks follow no symlink; raw reads and writes
-// (benchmark files the caller names) open as open(2) does.
-bool no_links(Op op) { return op == Op::ReadBlock || op == Op::WriteBlock || op == Op::Unlink; }
-
-}  // namespace
+using detail::io_full;
+using detail::io_unit;
 
 PosixEngine::PosixEngine(PosixEngineConfig cfg) : cfg_(cfg) {
   if (cfg_.queue_depth == 0 || cfg_.queue_depth > 4096)
@@ -114,20 +71,38 @@ void PosixEngine::submit(std::unique_ptr<Job> job) {
 std::vector<int64_t> PosixEngine::run(Job& job) {
   job.submit_time = monotonic_seconds();
   if (!job.reqs.empty()) {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (stopping_) throw std::runtime_error("engine is shut down");
-      stats_.jobs_submitted++;
-      (op_is_write(job.op) ? stores_ : loads_).push_back(&job);
-    }
-    work_cv_.notify_all();
     std::unique_lock<std::mutex> lk(mu_);
-    run_cv_.wait(lk, [&] { return job.complete; });
+    if (stopping_) throw std::runtime_error("engine is shut down");
+    stats_.jobs_submitted++;
+    (op_is_write(job.op) ? stores_ : loads_).push_back(&job);
+    work_cv_.notify_all();
+    run_cv_.wait(lk, [&] { return run_done_.count(&job) != 0; });
+    run_done_.erase(&job);
   }
   std::vector<int64_t> out;
   out.reserve(job.reqs.size());
   for (auto& r : job.reqs) out.push_back(r.result);
   return out;
+}
+
+// The last request of job finished (mu_ held by lk): its directories synced (fsync=True), then
+// reported to poll() or to its run() caller.
+void PosixEngine::job_done_locked(Job* job, std::unique_lock<std::mutex>& lk) {
+  if (job->fsync) {
+    lk.unlock();
+    sync_dirs(*job);
+    lk.lock();
+  }
+  job->end_time = monotonic_seconds();
+  auto it = submitted_.find(job);
+  if (it == submitted_.end()) {  // a run() job: its caller owns it
+    stats_.jobs_finished++;
+    run_done_.insert(job);
+    run_cv_.notify_all();
+    return;
+  }
+  finish_locked(*job);
+  submitted_.erase(it);
 }
 
 void PosixEngine::thread_main() {
@@ -163,42 +138,26 @@ void PosixEngine::thread_main() {
       --stores_running_;
       if (!stores_.empty()) work_cv_.notify_one();
     }
-    if (++job->done < job->reqs.size()) continue;
-    if (job->fsync) {  // the last request: the directories of the job's renames, once each
-      lk.unlock();
-      sync_dirs(*job);
-      lk.lock();
-    }
-    job->end_time = monotonic_seconds();
-    job->complete = true;
-    auto it = submitted_.find(job);
-    if (it == submitted_.end()) {  // a run() job: its caller owns it
-      stats_.jobs_finished++;
-      run_cv_.notify_all();
-      continue;
-    }
-    finish_locked(*job);
-    submitted_.erase(it);
+    if (++job->done == job->reqs.size()) job_done_locked(job, lk);
   }
   lk.unlock();
   free(hdr);
 }
 
 void PosixEngine::sync_dirs(Job& job) {
-  const std::vector<std::string> dirs = renamed_dirs(job);
+  const std::vector<std::string> dirs = detail::renamed_dirs(job);
   std::vector<int> err(dirs.size(), 0);
   for (size_t i = 0; i < dirs.size(); ++i) {
-    const int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC;
-    const int fd = no_links(job.op) ? open_no_links(dirs[i], flags) : ::open(dirs[i].c_str(), flags);
+    const int fd = detail::open_dir_for_sync(dirs[i], op_is_block(job.op));
     if (fd < 0) {
-      err[i] = -errno;
+      err[i] = fd;
       continue;
     }
     stats_.dir_fsyncs++;
     if (::fsync(fd) != 0) err[i] = -errno;
     ::close(fd);
   }
-  apply_dir_errors(job, dirs, err, stats_);
+  detail::apply_dir_errors(job, dirs, err, stats_);
 }
 
 void PosixEngine::execute(const Job& job, Request& r, char* hdr) {
@@ -220,6 +179,21 @@ void PosixEngine::execute(const Job& job, Request& r, char* hdr) {
   }
 }
 
+// The bytes of r between fd and memory: [header,] payload. Bytes moved or -errno / kErrShort
+// (reads) / -ENOSPC (writes that moved less).
+int64_t PosixEngine::transfer(const Job& job, const Request& r, int fd, char* hdr, bool write) {
+  const bool block = job.op == Op::ReadBlock || job.op == Op::WriteBlock;
+  iovec iov[2];
+  int cnt = 0;
+  if (block) iov[cnt++] = {hdr, kHeaderBytes};
+  iov[cnt++] = {reinterpret_cast<void*>(r.addr), r.length};
+  const uint64_t total = r.length + (block ? kHeaderBytes : 0);
+  const int64_t n = io_full(write, fd, iov, cnt, block ? 0 : r.offset, total, io_unit(job));
+  if (n < 0) return n;
+  if (uint64_t(n) != total) return write ? -ENOSPC : kErrShort;
+  return n;
+}
+
 int64_t PosixEngine::read(const Job& job, const Request& r, char* hdr) {
   // O_NONBLOCK: a FIFO put at a block's name must not hang the open (regular files and block
   // devices ignore it); its read then fails (ESPIPE), as a directory's does (EISDIR).
@@ -232,19 +206,9 @@ int64_t PosixEngine::read(const Job& job, const Request& r, char* hdr) {
   if (block && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink > 1) {
     res = -EMLINK;  // a hard link to a block file: never read (it may be anyone's file)
   } else {
-    iovec iov[2];
-    int cnt = 0;
-    if (block) iov[cnt++] = {hdr, kHeaderBytes};
-    iov[cnt++] = {reinterpret_cast<void*>(r.addr), r.length};
-    const uint64_t total = r.length + (block ? kHeaderBytes : 0);
-    const uint64_t unit = job.direct ? std::max<uint64_t>(4096, job.align) : 1;
-    const int64_t n = io_full(false, fd, iov, cnt, block ? 0 : r.offset, total, unit);
-    if (n < 0)
-      res = n;
-    else if (uint64_t(n) != total)
-      res = kErrShort;
-    else if (block && (res = verify_block(hdr, r)) != 0)
-      stats_.verify_failures++;
+    res = transfer(job, r, fd, hdr, false);
+    if (res >= 0 && block && (res = detail::verify_block(hdr, job, r, stats_)) != 0) stats_.verify_failures++;
+    if (res > 0) res = 0;
   }
   ::close(fd);
   if (res != 0) {
@@ -262,95 +226,105 @@ void PosixEngine::remove_temporary(const ParentDir& d, const Request& r) {
   if (::unlinkat(d.fd(), d.name(), 0) != 0 && errno != ENOENT) add_leftover(r.path);
 }
 
-int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own) {
+// Opens the file r writes, relative to d: a fresh temporary (kTemporaryOpenFlags), the recycled
+// file renamed there (own: never created), or a raw in-place write's file. Its mode set to
+// job.file_mode where needed. A descriptor or -errno (the temporary then removed if it is ours).
+int PosixEngine::open_store_file(const Job& job, const Request& r, const ParentDir& d, bool own) {
   const int direct = job.direct ? O_DIRECT : 0;
   const bool tmp = !r.target.empty();
-  const bool safe = no_links(job.op);
-  // A fresh temporary is new (O_EXCL). A recycled file (own) is never created. No open follows
-  // a symlink at the last component (O_NOFOLLOW; the directory is opened without links), and
-  // none may wait for a FIFO's reader (O_NONBLOCK, dropped once open).
-  const int flags = own ? O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | direct
-                        : O_WRONLY | O_CREAT | O_CLOEXEC | direct | (tmp ? O_EXCL : O_NONBLOCK) |
-                              (safe ? O_NOFOLLOW : 0);
-  ParentDir d;
-  if (int e = d.open(r.path, safe)) return e;
+  // No open may wait for a FIFO's reader (O_NONBLOCK, dropped once open).
+  const int flags = own   ? O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | direct
+                    : tmp ? detail::kTemporaryOpenFlags | O_CLOEXEC | direct
+                          : O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC | direct | (op_is_block(job.op) ? O_NOFOLLOW : 0);
   const int fd = ::openat(d.fd(), d.name(), flags, mode_t(job.file_mode));
   if (fd < 0) {
     const int e = errno;
     if (own) remove_temporary(d, r);  // the recycled file, renamed there by us
     return -e;
   }
-  int64_t err = 0;
+  int err = 0;
   struct stat st;
   if (own) {
-    if (::fstat(fd, &st) != 0 || !reusable(st, r.length))  // swapped since the lstat
-      err = -EINVAL;
+    if (::fstat(fd, &st) != 0 || !detail::reusable_victim(st.st_mode, st.st_nlink, st.st_size, r.length))
+      err = -EINVAL;  // swapped since the lstat
     else if ((st.st_mode & 07777) != job.file_mode && ::fchmod(fd, mode_t(job.file_mode)) != 0)
       err = -errno;
   } else if (tmp && job.fix_mode && ::fchmod(fd, mode_t(job.file_mode)) != 0) {  // (Job::fix_mode)
     err = -errno;
   }
   if (err == 0 && (flags & O_NONBLOCK) && ::fcntl(fd, F_SETFL, direct) != 0) err = -errno;
-  if (err == 0) {
-    const bool block = job.op == Op::WriteBlock;
-    iovec iov[2];
-    int cnt = 0;
-    if (block) {
-      fill_header(hdr, r);
-      iov[cnt++] = {hdr, kHeaderBytes};
-    }
-    iov[cnt++] = {reinterpret_cast<void*>(r.addr), r.length};
-    const uint64_t total = r.length + (block ? kHeaderBytes : 0);
-    const uint64_t unit = job.direct ? std::max<uint64_t>(4096, job.align) : 1;
-    const int64_t n = io_full(true, fd, iov, cnt, block ? 0 : r.offset, total, unit);
-    if (n < 0)
-      err = n;
-    else if (uint64_t(n) != total)
-      err = -ENOSPC;
-    else if (job.fsync && ::fdatasync(fd) != 0)
-      err = -errno;
-  }
+  if (err == 0) return fd;
+  ::close(fd);
+  if (tmp) remove_temporary(d, r);
+  return err;
+}
+
+int64_t PosixEngine::write(const Job& job, const Request& r, char* hdr, bool own) {
+  const bool tmp = !r.target.empty();
+  ParentDir d;
+  if (int e = d.open(r.path, op_is_block(job.op))) return e;
+  const int fd = open_store_file(job, r, d, own);
+  if (fd < 0) return fd;
+  if (job.op == Op::WriteBlock) detail::fill_header(hdr, job, r);
+  int64_t err = transfer(job, r, fd, hdr, true);
+  if (err >= 0) err = job.fsync && ::fdatasync(fd) != 0 ? -errno : 0;
   if (::close(fd) != 0 && err == 0 && errno != EINTR) err = -errno;
   if (err != 0) {
     if (tmp) remove_temporary(d, r);
     return err;
   }
   if (tmp) {
-    // Into place without replacing a block already there (another writer's, equally valid),
-    // through the target's directory opened without links (that of the temporary if the same).
-    ParentDir t;
-    int e = 0, tfd = d.fd();
-    std::string tname = safe ? base_of(r.target) : r.target;
-    if (safe && dir_of(r.target) != dir_of(r.path)) {
-      e = -t.open(r.target, true);
-      tfd = t.fd();
-    }
-    if (e == 0 && ::renameat2(d.fd(), d.name(), tfd, tname.c_str(), RENAME_NOREPLACE) != 0) {
-      e = errno;
-      if (e == EINVAL || e == ENOSYS)  // a file system without RENAME_NOREPLACE
-        e = ::linkat(d.fd(), d.name(), tfd, tname.c_str(), 0) == 0 ? 0 : errno;
-      remove_temporary(d, r);
-    } else if (e != 0) {
-      remove_temporary(d, r);
-    }
-    if (e == EEXIST)
-      stats_.rename_existing++;
-    else if (e != 0)
-      return -e;
+    if (int64_t e = place(job, r, d)) return e;
   }
   stats_.bytes_written += r.length;
   return int64_t(r.length);
 }
 
+// The written temporary d/d.name() into place at r.target without replacing a block already
+// there (another writer's, equally valid: kept, success), through the target's directory opened
+// without links (that of the temporary if the same). 0 or -errno.
+int64_t PosixEngine::place(const Job& job, const Request& r, const ParentDir& d) {
+  const bool safe = op_is_block(job.op);
+  ParentDir t;
+  int e = 0, tfd = d.fd();
+  const std::string tname = safe ? base_of(r.target) : r.target;
+  if (safe && dir_of(r.target) != dir_of(r.path)) {
+    e = t.open(r.target, true);
+    tfd = t.fd();
+  }
+  bool left = true;
+  if (e == 0) e = detail::rename_into_place(d.fd(), d.name(), tfd, tname.c_str(), &left);
+  if (left) remove_temporary(d, r);
+  if (e == -EEXIST) {
+    stats_.rename_existing++;
+    return 0;
+  }
+  return e;
+}
+
+// A victim that is no reusable block file, at the temporary name t after the rename: back to its
+// name v (a directory renamed, anything else linked + unlinked: never replacing what may be at
+// its name now). True if it is back (then removed after the store).
+bool PosixEngine::put_back(const ParentDir& t, const ParentDir& v, const Request& r, mode_t mode) {
+  int rc;
+  if (S_ISDIR(mode)) {
+    rc = ::renameat2(t.fd(), t.name(), v.fd(), v.name(), RENAME_NOREPLACE);
+  } else {
+    rc = ::linkat(t.fd(), t.name(), v.fd(), v.name(), 0);
+    if (rc == 0 && ::unlinkat(t.fd(), t.name(), 0) != 0) add_leftover(r.path);
+  }
+  if (rc == 0) return true;
+  stats_.recycle_failures++;  // left at the temporary name
+  add_leftover(r.path);
+  return false;
+}
+
+// write_block with a recycle path: the evicted file is renamed to the temporary name and
+// overwritten if detail::reusable_victim; anything else is put back and removed after the store;
+// one that cannot be renamed (other than: it is gone) is removed after a fresh store. Both names
+// are reached through their directories opened without links: a directory that became a link is
+// not entered (the victim is then left alone, not reported: removing it would follow the link).
 int64_t PosixEngine::recycle_write(const Job& job, const Request& r, char* hdr) {
-  // As the io_uring engine's recycle chain: the evicted file is renamed to the temporary name
-  // and overwritten if it is a regular file of one link, no longer than a block. Anything else
-  // found at its name (a directory, FIFO, symlink, longer or hard-linked file) is put back and
-  // removed after the store: opening it could block forever, write through the link, or leave
-  // a block file longer than a block. If it cannot be renamed (other than: it is gone) the
-  // temporary is created afresh and the file removed afterwards. Both names are reached through
-  // their directories opened without links: a directory that became a link is not entered
-  // (the victim is then left alone, not reported: removing it would follow the link).
   bool renamed = false, remove_victim = false;
   ParentDir v, t;
   const int ve = v.open(r.recycle, true);
@@ -369,25 +343,11 @@ int64_t PosixEngine::recycle_write(const Job& job, const Request& r, char* hdr) 
   }
   struct stat st {};
   const bool present = te == 0 && ve == 0 && ::fstatat(t.fd(), t.name(), &st, AT_SYMLINK_NOFOLLOW) == 0;
-  const bool reuse = present && reusable(st, r.length);
-  if (renamed && !reuse) {
-    renamed = false;
-    int rc;
-    if (S_ISDIR(st.st_mode)) {
-      rc = ::renameat2(t.fd(), t.name(), v.fd(), v.name(), RENAME_NOREPLACE);
-    } else {  // link + unlink: never replaces what may be at its name now
-      rc = ::linkat(t.fd(), t.name(), v.fd(), v.name(), 0);
-      if (rc == 0 && ::unlinkat(t.fd(), t.name(), 0) != 0) add_leftover(r.path);
-    }
-    if (rc == 0) {
-      remove_victim = true;  // back at its name: removed below
-    } else {
-      stats_.recycle_failures++;  // left at the temporary name
-      add_leftover(r.path);
-    }
-  } else if (renamed) {
+  const bool reuse = present && detail::reusable_victim(st.st_mode, st.st_nlink, st.st_size, r.length);
+  if (renamed && !reuse)
+    remove_victim = put_back(t, v, r, st.st_mode);
+  else if (renamed)
     stats_.recycled++;
-  }
   // (write() removes the temporary -- the recycled file, ours -- when the store fails)
   const int64_t res = write(job, r, hdr, reuse);
   if (remove_victim && ::unlinkat(v.fd(), v.name(), 0) != 0 && errno != ENOENT) {

@@ -1,8 +1,7 @@
-// The posix engine: the same jobs, results and block files as the io_uring engine, moved by
-// plain system calls (open, preadv/pwritev, renameat2, close) on a small pool of C++ threads.
-// For machines where io_uring is refused (a container's seccomp profile, io_uring_disabled,
-// an old kernel). No Python objects here (see bindings.cpp); no thread of the pool ever takes
-// the GIL, so a request costs its system calls and its checksum, nothing of the interpreter.
+// The posix engine: the jobs, results and block files of the io_uring engine, moved by plain
+// system calls (open, preadv/pwritev, renameat2, close) on a pool of C++ threads. For machines
+// where io_uring is refused (a container's seccomp profile, io_uring_disabled, an old kernel).
+// No thread of the pool ever takes the GIL.
 #pragma once
 
 #include <condition_variable>
@@ -12,9 +11,10 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
-#include "job.hpp"
+#include "job_queue.hpp"
 #include "safe_path.hpp"
 
 namespace pykvtier {
@@ -26,21 +26,24 @@ struct PosixEngineConfig {
   double store_share = 0.5;   // share of the threads that stores and unlinks may hold at once
 };
 
-// poll(), wait(), drain(), pending_jobs() and stats() come from HostJobs.
-class PosixEngine : public HostJobs {
+class PosixEngine final : public detail::JobQueue {
  public:
   explicit PosixEngine(PosixEngineConfig cfg);
-  ~PosixEngine();
+  ~PosixEngine() override;
   PosixEngine(const PosixEngine&) = delete;
   PosixEngine& operator=(const PosixEngine&) = delete;
 
-  // Runs job on the pool and waits for it. Caller must not hold the GIL. Throws
-  // std::runtime_error after shutdown().
+  const char* name() const override { return "posix"; }
+  void submit(std::unique_ptr<Job> job) override;
+  // No fixed buffers without io_uring: nothing is registered.
+  int64_t register_buffer(uint64_t, uint64_t) override { return 0; }
+  void unregister_buffers() override {}
+  bool await_buffers(double) override { return true; }
+  void shutdown() override;
+
+  // Runs job on the pool and waits for it (not reported by poll()). Caller must not hold the
+  // GIL. Throws std::runtime_error after shutdown().
   std::vector<int64_t> run(Job& job);
-  // Queues a job and returns at once; loads go before stores. Throws after shutdown().
-  void submit(std::unique_ptr<Job> job);
-  // Finishes queued jobs, then stops the threads. Idempotent.
-  void shutdown();
 
   const PosixEngineConfig& config() const { return cfg_; }
   unsigned threads() const { return nthreads_; }
@@ -48,10 +51,15 @@ class PosixEngine : public HostJobs {
  private:
   void thread_main();
   bool can_take() const;  // under mu_
+  void job_done_locked(Job* job, std::unique_lock<std::mutex>& lk);
   void execute(const Job& job, Request& r, char* hdr);
   int64_t read(const Job& job, const Request& r, char* hdr);
+  int64_t transfer(const Job& job, const Request& r, int fd, char* hdr, bool write);
   int64_t write(const Job& job, const Request& r, char* hdr, bool own);
+  int open_store_file(const Job& job, const Request& r, const ParentDir& d, bool own);
+  int64_t place(const Job& job, const Request& r, const ParentDir& d);
   int64_t recycle_write(const Job& job, const Request& r, char* hdr);
+  bool put_back(const ParentDir& t, const ParentDir& v, const Request& r, mode_t mode);
   void remove_temporary(const ParentDir& d, const Request& r);
   void sync_dirs(Job& job);  // fsync=True: each distinct directory of the job's renames
 
@@ -62,6 +70,7 @@ class PosixEngine : public HostJobs {
   // Jobs with requests not yet handed to a thread (under mu_); loads have priority.
   std::deque<Job*> loads_, stores_;
   std::unordered_map<Job*, std::unique_ptr<Job>> submitted_;  // submit()ted, not finished
+  std::unordered_set<Job*> run_done_;  // run() jobs finished, not yet collected by run()
   std::condition_variable work_cv_, run_cv_;
   std::mutex join_mu_;  // held by shutdown() while it joins the threads
   std::vector<std::thread> threads_;
