@@ -1,4 +1,4 @@
-// XXH3-64 of device buffers on the GPU (see gds_verify.hpp and xxh3_lanes.hpp).
+// XXH3-64 of device buffers on the GPU (see gds/gds_verify.hpp and detail/xxh3_lanes.hpp).
 //
 // One CUDA block per buffer, 256 threads. Warps 1..7 stage the buffer through shared memory in
 // 16 KiB chunks (16 XXH3 blocks), double-buffered, with 16-byte loads; threads 0..7 of warp 0 are
@@ -9,8 +9,8 @@
 // against xxhash); what is only here is the staging copy, the barriers and the shuffle.
 #include <cuda_runtime.h>
 
-#include "gds_verify.hpp"
-#include "xxh3_lanes.hpp"
+#include "gds/gds_verify.hpp"
+#include "detail/xxh3_lanes.hpp"
 
 namespace pykvtier::gds {
 

@@ -2,7 +2,7 @@
 # Compile check of the gds engine (pykvtier._gds) on a machine without kvikio's build setup or a
 # GPU: compiles the gds target's sources, as CMakeLists.txt lists them, against the headers of
 # pip wheels in a scratch virtual environment, prints every compiler command, and exits non-zero
-# on the first source that does not compile.
+# when a source does not compile.
 #
 #   python3 -m venv /tmp/gdsenv
 #   /tmp/gdsenv/bin/pip install libkvikio-cu13 rapids-logger nvidia-cufile nvidia-cuda-runtime \
@@ -11,10 +11,14 @@
 #
 # Each C++ source is compiled twice, with PYKVTIER_DEVICE_VERIFY=1 and =0 (the two sides of its
 # #if), the .cu source with the wheel's nvcc where there is one (skipped, and said, where not).
-# --link also links the module (libkvikio, rapids_logger, static cudart) and imports it with the
-# venv's python: status(), engine construction and refused arguments, an unlink job. That runs
-# without a GPU (cudart loads the driver lazily); the python must be the version the module was
-# compiled for (the venv's). Env: CXX (g++), OUT (a scratch folder; default a new temporary one).
+# --link also links the module (libkvikio, rapids_logger, static cudart) and imports it as
+# pykvtier._gds with the repository's .venv python (its pykvtier._native must be built from the
+# same tree; that python must be the venv's version): status(), refused arguments, an unlink job
+# through the engine interface. That runs without a GPU (cudart loads the driver lazily).
+# Env: CXX (g++), OUT (a scratch folder; default a new temporary one), GDS_CMAKELISTS (read the
+# gds target from another CMakeLists.txt), PYKVTIER_PYTHON (the python of --link's import),
+# PYKVTIER_NATIVE (a pykvtier._native .so built elsewhere, e.g. a cmake build folder's, to import
+# instead of the installed one; same pybind11 version as the venv's, whose types _gds shares).
 set -uo pipefail
 
 VENV=${1:?usage: gds_compile_check.sh VENV [--link]}
@@ -47,11 +51,62 @@ PYBIND=$("$PY" -c 'import pybind11; print(pybind11.get_include())' 2>/dev/null) 
   { echo "gds_compile_check: pybind11 is not installed in $VENV" >&2; exit 2; }
 CUDA=$(cd "$CUDA" && pwd)
 
-# The gds target's sources and include folders, as CMakeLists.txt has them.
-read -r -a SOURCES < <(sed -n '/pybind11_add_module(_gds/,/)/p' "$REPO/CMakeLists.txt" | grep -o 'csrc/[^ )]*\.cpp' | tr '\n' ' ')
-read -r -a CU_SOURCES < <(sed -n '/add_library(pykvtier_gds_verify/,/)/p' "$REPO/CMakeLists.txt" | grep -o 'csrc/[^ )]*\.cu' | tr '\n' ' ')
-read -r -a INC_DIRS < <(grep -E 'target_include_directories\((_gds|pykvtier_gds_verify) ' "$REPO/CMakeLists.txt" | grep -o 'csrc[^ )]*' | sort -u | tr '\n' ' ')
-((${#SOURCES[@]})) || { echo "gds_compile_check: no _gds sources found in CMakeLists.txt" >&2; exit 2; }
+# The gds targets' sources (with their set_source_files_properties flags) and include folders, as
+# CMakeLists.txt has them, ${VAR}s expanded from every set() / list(APPEND) of VAR.
+read -r -d '' CMAKE_READER <<'PYEOF'
+import re, sys
+text = re.sub(r"#[^\n]*", "", open(sys.argv[1]).read())
+calls = [(m.group(1).lower(), m.group(2).split()) for m in re.finditer(r"(\w+)\s*\(([^()]*)\)", text)]
+var = {}
+for name, args in calls:
+    if name == "set" and args:
+        var.setdefault(args[0], []).extend(args[1:])
+    elif name == "list" and len(args) > 1 and args[0] == "APPEND":
+        var.setdefault(args[1], []).extend(args[2:])
+def expand(items, depth=0):
+    for it in items:
+        m = re.fullmatch(r"\$\{(\w+)\}", it)
+        if m and depth < 8:
+            yield from expand(var.get(m.group(1), []), depth + 1)
+        else:
+            yield it.strip('"')
+props = {}
+for name, args in calls:
+    if name == "set_source_files_properties" and "PROPERTIES" in args:
+        i = args.index("PROPERTIES")
+        kv = args[i + 1:]
+        for f in args[:i]:
+            for k, v in zip(kv[::2], kv[1::2]):
+                v = v.strip('"')
+                props.setdefault(f, []).append(v if k == "COMPILE_OPTIONS" else "-D" + v)
+targets = {"_gds", "pykvtier_gds_verify"}
+for name, args in calls:
+    if name in ("pybind11_add_module", "add_library") and args and args[0] in targets:
+        for f in expand(args[1:]):
+            if f.startswith("csrc/"):
+                print("SRC", f, *props.get(f, []))
+    if name == "target_include_directories" and args and args[0] in targets:
+        for d in expand(args[1:]):
+            if d.startswith("csrc"):
+                print("INC", d)
+PYEOF
+CMAKELISTS=${GDS_CMAKELISTS:-$REPO/CMakeLists.txt}
+PARSED=$("$PY" -c "$CMAKE_READER" "$CMAKELISTS") || { echo "gds_compile_check: could not read $CMAKELISTS" >&2; exit 2; }
+SOURCES=()
+CU_SOURCES=()
+INC_DIRS=()
+declare -A SRC_FLAGS
+while read -r kind path rest; do
+  if [[ $kind == SRC && $path == *.cu ]]; then
+    CU_SOURCES+=("$path")
+  elif [[ $kind == SRC && -z ${SRC_FLAGS[$path]+x} ]]; then
+    SOURCES+=("$path")
+    SRC_FLAGS[$path]=$rest
+  elif [[ $kind == INC && " ${INC_DIRS[*]} " != *" $path "* ]]; then
+    INC_DIRS+=("$path")
+  fi
+done <<<"$PARSED"
+((${#SOURCES[@]})) || { echo "gds_compile_check: no _gds sources found in $CMAKELISTS" >&2; exit 2; }
 
 # gds_build_info.hpp, generated by CMakeLists.txt, as a build with kvikio has it.
 mkdir -p "$OUT/generated"
@@ -63,9 +118,11 @@ cat > "$OUT/generated/gds_build_info.hpp" <<'EOF'
 #define PYKVTIER_GDS_KVIKIO_VERSION "0.0.0"
 EOF
 
-INC=()
-for d in "${INC_DIRS[@]}"; do INC+=("-I$REPO/$d"); done
-INC+=("-I$OUT/generated" "-I$PYBIND" "-I$PYINC" "-I$KVIKIO" "-I$RLOG" "-I$CUDA/include" "-I$CUFILE")
+REPO_INC=()
+for d in "${INC_DIRS[@]}"; do REPO_INC+=("-I$REPO/$d"); done
+INC=("${REPO_INC[@]}" "-I$OUT/generated" "-I$PYBIND" "-I$PYINC" "-I$KVIKIO" "-I$RLOG" "-I$CUDA/include")
+[[ $CUFILE -ef $CUDA/include ]] || INC+=("-I$CUFILE")
+# (as CMakeLists.txt defines them for kvikio imported from its wheel layout)
 DEFS=(-DKVIKIO_CUFILE_FOUND -DKVIKIO_CUFILE_VERSION_API_FOUND)
 FLAGS=(-std=c++20 -fPIC -O2 -Wall -Wextra -fvisibility=hidden)
 
@@ -80,7 +137,8 @@ echo "gds_compile_check: sources ${SOURCES[*]} ${CU_SOURCES[*]}; headers of $SP"
 for dv in 1 0; do
   for src in "${SOURCES[@]}"; do
     obj="$OUT/$(basename "${src%.*}").dv$dv.o"
-    if ! run "$CXX" "${FLAGS[@]}" "${DEFS[@]}" -DPYKVTIER_DEVICE_VERIFY=$dv "${INC[@]}" -c "$REPO/$src" -o "$obj"; then
+    read -r -a extra <<<"${SRC_FLAGS[$src]}"
+    if ! run "$CXX" "${FLAGS[@]}" "${extra[@]}" "${DEFS[@]}" -DPYKVTIER_DEVICE_VERIFY=$dv "${INC[@]}" -c "$REPO/$src" -o "$obj"; then
       echo "gds_compile_check: FAILED: $src (PYKVTIER_DEVICE_VERIFY=$dv)" >&2
       fail=1
     fi
@@ -94,7 +152,7 @@ if ((${#CU_SOURCES[@]})); then
     for src in "${CU_SOURCES[@]}"; do
       obj="$OUT/$(basename "${src%.*}").cu.o"
       if ! run "$NVCC" -std=c++20 -Xcompiler -fPIC -O2 -gencode arch=compute_80,code=sm_80 \
-          -gencode arch=compute_90,code=compute_90 "${INC[@]:0:${#INC_DIRS[@]}}" -c "$REPO/$src" -o "$obj"; then
+          -gencode arch=compute_90,code=compute_90 "${REPO_INC[@]}" -c "$REPO/$src" -o "$obj"; then
         echo "gds_compile_check: FAILED: $src (nvcc)" >&2
         fail=1
       fi
@@ -114,30 +172,61 @@ if ((LINK && !fail)); then
     echo "gds_compile_check: FAILED: link" >&2
     fail=1
   else
-    echo "+ $PY (import _gds: status, engine construction, an unlink job)"
-    if ! PYTHONPATH="$OUT/mod" "$PY" -P - "$OUT" <<'EOF'; then
-import errno, os, sys
-import _gds
-st = _gds.status()
+    IPY=${PYKVTIER_PYTHON:-$REPO/.venv/bin/python}
+    [[ -x $IPY ]] || IPY=$PY
+    echo "+ $IPY (import $MOD as pykvtier._gds: status, refused arguments, an unlink job)"
+    if ! "$IPY" -P - "$MOD" "$OUT" <<'EOF'; then
+import errno, importlib.util, os, sys, types
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+if os.environ.get("PYKVTIER_NATIVE"):  # a _native built elsewhere, under a bare package
+    pkg = types.ModuleType("pykvtier")
+    pkg.__path__ = []
+    sys.modules["pykvtier"] = pkg
+    _native = load("pykvtier._native", os.environ["PYKVTIER_NATIVE"])
+else:
+    from pykvtier import _native
+gds = load("pykvtier._gds", sys.argv[1])
+st = gds.status()
 print("status:", {k: st[k] for k in ("kvikio_version", "cuda_devices", "cufile_library", "compat_mode_default")})
-for bad in (dict(verify="fast"), dict(compat="maybe"), dict(io_threads=0)):
+for bad in (dict(checksum="fast"), dict(verify="header"), dict(compat="maybe"), dict(io_threads=0)):
     try:
-        _gds.GdsEngine(**bad)
+        gds.GdsEngine(**bad)
     except ValueError as e:
         print("refused:", bad, "->", e)
     else:
         raise SystemExit(f"GdsEngine({bad}) was accepted")
-eng = _gds.GdsEngine(io_threads=2, compat="on")
-f = os.path.join(sys.argv[1], "unlink-me")
+eng = gds.GdsEngine(io_threads=2, compat="on", checksum="host")
+assert (eng.name, eng.io_threads, eng.compat, eng.checksum) == ("gds", 2, "on", "host")
+f = os.path.join(sys.argv[2], "unlink-me")
 open(f, "wb").close()
-eng.submit(5, "unlink", [f, f + ".missing"])
+op = getattr(_native, "Op", None)
+eng.submit(5, op.UNLINK if op else "unlink", [f, f + ".missing"])
 eng.drain()
 fin = eng.poll()
 got = [(x[0], str(x[1]), list(x[2])) for x in fin]
 print("poll:", got)
 assert [(j, r) for j, _, r in got] == [(5, [0, -errno.ENOENT])], got
 assert not os.path.exists(f)
-print("stats:", eng.stats())
+for bad_op, entries, what in (("read_block", [(f, 4096, 4096, b"k" * 16)], "entry 0"), ("scan", [], "unknown op")):
+    try:
+        eng.submit(6, bad_op, entries)
+    except ValueError as e:
+        print("refused:", bad_op, "->", e)
+        assert what in str(e), e
+    else:
+        raise SystemExit(f"submit({bad_op!r}) was accepted")
+s = eng.stats()
+print("stats:", s)
+keys = getattr(_native, "STATS_KEYS", None)
+assert keys is None or tuple(s) == tuple(keys), (tuple(s), keys)
+assert (s["jobs_finished"], s["requests_ok"], s["requests_failed"]) == (1, 1, 1), s
+assert eng.take_leftovers() == [] and eng.pending_jobs() == 0
+eng.shutdown()
 eng.shutdown()
 EOF
       echo "gds_compile_check: FAILED: import / smoke run of the linked module" >&2
