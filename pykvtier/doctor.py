@@ -60,7 +60,7 @@ def _io_uring(root: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"io_uring_disabled_sysctl": _read("/proc/sys/kernel/io_uring_disabled")}
     out.update(_native.probe_uring(root or ""))
     try:
-        e = _native.Engine(queue_depth=1, workers=1)
+        e = _native.Engine(queue_depth=1)
         e.shutdown()
         out["engine"] = "uring"
         out["engine_reason"] = "the io_uring engine starts here"
@@ -268,35 +268,36 @@ def _marks(d: dict[str, bool]) -> str:
     return " ".join(f"{k}{'+' if v else '-'}" for k, v in d.items())
 
 
-def format_text(rep: dict[str, Any]) -> str:
-    lines: list[str] = []
+class _Rows:
+    """The report's lines: a 16-column label, then text; continuation lines indented."""
 
-    def row(label: str, text: str, *more: str) -> None:
-        lines.append(f"{label:<16}{text}")
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, label: str, text: str, *more: str) -> None:
+        self.lines.append(f"{label:<16}{text}")
         for m in more:
-            lines.append(f"{'':<16}{m}")
+            self.lines.append(f"{'':<16}{m}")
 
-    p, k = rep["pykvtier"], rep["kernel"]
-    lines.append(f"pykvtier doctor: pykvtier {p['version']}, Python {p['python']}")
-    row("kernel", f"{k['system']} {k['release']} {k['machine']}")
 
-    u = rep["io_uring"]
-    if u["available"]:
-        checks = u.get("checks", {})
-        failed = [f"{n} ({d})" for n, (ok, d) in checks.items() if not ok]
-        row("io_uring", f"available; engine: {u['engine']}",
-            "setup flags: " + _marks(u["setup_flags"]),
-            "ops: " + _marks(u["ops"]),
-            "features: " + " ".join(u["features"]),
-            ("checks run in the root: " + _marks({n: ok for n, (ok, _) in checks.items()}))
-            + ("" if not failed else "; failed: " + "; ".join(failed)))
-    else:
+def _io_uring_rows(row: _Rows, u: dict[str, Any]) -> None:
+    if not u["available"]:
         row("io_uring", f"unavailable: {u['error']}"
             + (f" (kernel.io_uring_disabled={u['io_uring_disabled_sysctl']})"
                if u.get("io_uring_disabled_sysctl") not in (None, "0") else ""),
             u["engine_reason"])
+        return
+    checks = u.get("checks", {})
+    failed = [f"{n} ({d})" for n, (ok, d) in checks.items() if not ok]
+    row("io_uring", f"available; engine: {u['engine']}",
+        "setup flags: " + _marks(u["setup_flags"]),
+        "ops: " + _marks(u["ops"]),
+        "features: " + " ".join(u["features"]),
+        ("checks run in the root: " + _marks({n: ok for n, (ok, _) in checks.items()}))
+        + ("" if not failed else "; failed: " + "; ".join(failed)))
 
-    r = rep["root"]
+
+def _root_rows(row: _Rows, r: dict[str, Any]) -> None:
     if r.get("problem"):
         where = r["path"] + ("" if r["exists"] or not os.path.exists(r["path"])
                              else f" (probed {r['probe_dir']})")
@@ -316,12 +317,13 @@ def format_text(rep: dict[str, Any]) -> str:
         row("O_DIRECT", f"yes; DIO alignment: memory {od['mem_align']} B, offset {od['offset_align']} B ({src})")
     else:
         row("O_DIRECT", f"no: {od.get('reason')}; the tier falls back to buffered I/O (logged, counted)")
+    cs = r.get("data_checksums")
+    if cs is not None:
+        row("data checksums", ("yes" if cs["checksums"] else "no") + f": {cs['reason']}",
+            f"suggested DiskTier verify={cs['suggested_verify']!r}")
 
-    m = rep["memlock"]
-    row("RLIMIT_MEMLOCK", f"soft {_size(m['soft'])}, hard {_size(m['hard'])}" + (", euid 0" if m["euid0"] else ""),
-        m["note"])
 
-    g = rep["gpu"]
+def _gpu_rows(row: _Rows, g: dict[str, Any]) -> None:
     if g["devices"]:
         devs = "; ".join(f"cuda:{d['index']} {d['name']} (sm {d['capability']}, {_size(d['memory_bytes'])})"
                          for d in g["devices"])
@@ -331,18 +333,17 @@ def format_text(rep: dict[str, Any]) -> str:
         row("GPU", "; ".join(f"{r_[1]} (driver {r_[2]})" for r_ in g["nvidia_smi"]),
             f"torch: {g['torch'] or 'not installed'}" + (f" ({g.get('torch_error')})" if g.get("torch_error") else ""))
     else:
-        why = []
-        why.append(f"torch {g['torch']} sees no CUDA device" if g["torch"]
-                   else "torch not probed (--no-gpu)" if g.get("no_gpu")
-                   else "torch not installed")
-        why.append("nvidia-smi not found" if g["nvidia_smi"] is None else f"nvidia-smi: {g['nvidia_smi']}")
+        why = [f"torch {g['torch']} sees no CUDA device" if g["torch"]
+               else "torch not probed (--no-gpu)" if g.get("no_gpu")
+               else "torch not installed",
+               "nvidia-smi not found" if g["nvidia_smi"] is None else f"nvidia-smi: {g['nvidia_smi']}"]
         if not g.get("proc_driver"):
             why.append("no NVIDIA driver loaded (/proc/driver/nvidia)")
         row("GPU", "none (" + "; ".join(why) + ")")
 
-    # Each fact once: the gds engine's build/import state in the kvikio row; the cuFile / GDS
-    # row and the GPU-arena path refer to it instead of repeating its reason.
-    s = rep["gds"]
+
+def _kvikio_row(row: _Rows, s: dict[str, Any]) -> None:
+    """The gds engine's build/import state (the cuFile / GDS row refers to it)."""
     pk = s.get("packages") or {}
     kv = s.get("kvikio_version") or s.get("build_kvikio_version")
     if not s.get("built"):
@@ -356,13 +357,14 @@ def format_text(rep: dict[str, Any]) -> str:
     row("kvikio", (f"{kv}" if kv else "none") + (f"; packages: {', '.join(f'{a} {b}' for a, b in pk.items())}"
                                                  if pk else "; no kvikio / libkvikio package installed"),
         engine_state)
-    engine_down = not s.get("built") or s.get("importable") is False
+
+
+def _gds_row(row: _Rows, s: dict[str, Any]) -> None:
     gds_reason = s.get("reason", "")
+    engine_down = not s.get("built") or s.get("importable") is False
     if s.get("usable"):
         gds_text = f"usable: {gds_reason}"
-    elif s.get("importable") is None:
-        gds_text = f"not usable: {gds_reason}"
-    elif engine_down:
+    elif s.get("importable") is not None and engine_down:
         gds_text = "not usable: the gds engine " + ("is not built" if not s.get("built") else "does not load") \
             + " (see kvikio)"
     else:
@@ -381,7 +383,8 @@ def format_text(rep: dict[str, Any]) -> str:
             gds_lines.append(f"note: {n}")
     row("cuFile / GDS", gds_text, *gds_lines)
 
-    pa = rep["paths"]
+
+def _loads_row(row: _Rows, pa: dict[str, Any], gds_reason: str) -> None:
     dev = pa["device"]
     if dev["path"] is None:
         dev_text = "not probed (--no-gpu)"
@@ -396,7 +399,24 @@ def format_text(rep: dict[str, Any]) -> str:
         if not dev.get("gpu_present"):
             dev_text = f"no GPU here; where a CUDA arena is set, the {dev_text}"
     row("loads", f"host arenas: {pa['host']}", f"GPU arenas: {dev_text}")
-    return "\n".join(lines)
+
+
+def format_text(rep: dict[str, Any]) -> str:
+    """The report of :func:`collect` as text, one labelled row per subject; each fact once."""
+    row = _Rows()
+    p, k = rep["pykvtier"], rep["kernel"]
+    row.lines.append(f"pykvtier doctor: pykvtier {p['version']}, Python {p['python']}")
+    row("kernel", f"{k['system']} {k['release']} {k['machine']}")
+    _io_uring_rows(row, rep["io_uring"])
+    _root_rows(row, rep["root"])
+    m = rep["memlock"]
+    row("RLIMIT_MEMLOCK", f"soft {_size(m['soft'])}, hard {_size(m['hard'])}" + (", euid 0" if m["euid0"] else ""),
+        m["note"])
+    _gpu_rows(row, rep["gpu"])
+    _kvikio_row(row, rep["gds"])
+    _gds_row(row, rep["gds"])
+    _loads_row(row, rep["paths"], rep["gds"].get("reason", ""))
+    return "\n".join(row.lines)
 
 
 def run(args: argparse.Namespace) -> int:

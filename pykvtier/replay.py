@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -55,6 +55,8 @@ __all__ = [
     "block_key",
     "parse_size",
     "format_bytes",
+    "ReplayCounters",
+    "ReplayDriver",
     "run_replay",
     "add_arguments",
     "main",
@@ -78,6 +80,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _TABLE_SEED = 0x6B76_7469_6572  # "kvtier"
 _LOOKUP_RETRY_DEADLINE_S = 30.0
 _STALL_DEADLINE_S = 300.0  # no job finished for this long while jobs are in flight: give up
+_MAX_ERROR_SAMPLES = 20  # error messages kept for the summary
 # Store failures that are the tier declining a block under capacity pressure (blocks being
 # written or read hold the space, or the key's old file is still being evicted): an engine
 # just does not cache those blocks. Counted and shown, but not errors.
@@ -484,6 +487,410 @@ def _default_tier_factory(root: str, block_size: int, capacity: int | None, engi
     return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine, recycle=recycle)
 
 
+@dataclass
+class ReplayCounters:
+    """What a replay counted so far. Blocks and bytes moved count when their job finishes;
+    ``harness_cpu_s`` is the replay's own work (making and checking block bytes)."""
+
+    blocks_requested: int = 0
+    blocks_looked_up: int = 0
+    blocks_hit: int = 0
+    blocks_hit_pending: int = 0
+    lookup_retries: int = 0
+    load_jobs: int = 0
+    store_jobs: int = 0
+    blocks_loaded: int = 0
+    blocks_stored: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    verification_failures: int = 0
+    load_failed_keys: int = 0
+    store_failed_keys: int = 0
+    store_rejected_keys: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    harness_cpu_s: float = 0.0
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # "load: <reason>" -> keys
+    error_samples: list[str] = field(default_factory=list)  # the first _MAX_ERROR_SAMPLES
+    load_intervals: list[tuple[float, float]] = field(default_factory=list)  # (submit, finish) s
+    store_intervals: list[tuple[float, float]] = field(default_factory=list)
+    load_latencies: list[float] = field(default_factory=list)  # seconds per load job
+
+    def error(self, msg: str, count: int = 1) -> None:
+        """``count`` errors, described by ``msg``."""
+        self.errors += count
+        self.sample(msg)
+
+    def sample(self, msg: str) -> None:
+        if len(self.error_samples) < _MAX_ERROR_SAMPLES:
+            self.error_samples.append(msg)
+
+    def key_failed(self, kind: str, reason: str) -> None:
+        name = f"{kind}: {reason}"
+        self.failure_reasons[name] = self.failure_reasons.get(name, 0) + 1
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.blocks_hit / self.blocks_requested if self.blocks_requested else 0.0
+
+
+class ReplayDriver:
+    """One replay against an open tier, request by request, as an engine drives a secondary
+    tier (the module docstring's phases); stores run in the background.
+
+    ``tier``: a DiskTier (or what a ``tier_factory`` makes) whose arena is ``arena``, a uint8
+    array of whole blocks of ``block_size`` bytes, each a slot. ``guard`` delivers the signals
+    it kept; ``progress`` shows the counts. Main thread only; one replay per driver.
+    Raises RuntimeError when the tier stops finishing jobs or the arena runs out.
+    """
+
+    def __init__(self, tier: Any, arena: np.ndarray, block_size: int, tokens_per_block: int,
+                 guard: _SignalGuard, progress: _Progress) -> None:
+        from .tier import LookupResult, TransferJob
+
+        self._lookup_result, self._job = LookupResult, TransferJob
+        self.tier = tier
+        self.block_size = block_size
+        self.tokens_per_block = tokens_per_block
+        self.subblocks = TRACE_BLOCK_TOKENS // tokens_per_block  # engine blocks per trace block
+        self.pattern = BlockPattern(block_size)
+        self.counters = ReplayCounters()
+        self.progress = progress
+        self._guard = guard
+        self._arena64 = arena.view(np.uint64)
+        self._words = block_size // 8
+        # LIFO: reuse the slots freed last (warm in cache and already faulted in)
+        self._free_slots = list(range(arena.nbytes // block_size - 1, -1, -1))
+        self._pending: dict[int, _Pending] = {}
+        self._job_ids = itertools.count(1)
+        self._last_finish = time.monotonic()  # when a job last finished (stall detection)
+
+    def run(self, requests: Sequence[Request]) -> tuple[float, float]:
+        """Replays ``requests`` in order, then waits for every job and drains the tier.
+        Returns (wall seconds, CPU seconds of the process)."""
+        cpu0 = _rusage_cpu()
+        t_start = time.perf_counter()
+        try:
+            for req in requests:
+                self._guard.check()
+                self.replay_request(req)
+                self.progress.show(self.bar_text())
+                self.progress.advance()
+            while self._pending:
+                self.wait_some(1.0)
+            self.tier.drain()
+            self.handle(self.tier.get_finished_jobs())
+        finally:
+            self.progress.close()
+        return time.perf_counter() - t_start, _rusage_cpu() - cpu0
+
+    def replay_request(self, req: Request) -> None:
+        """Phase 1 (longest held prefix), phase 2 (load it, check it), then store the rest."""
+        c = self.counters
+        t0 = time.thread_time()
+        keys = [block_key(h, s, self.block_size) for h in req.hash_ids for s in range(self.subblocks)]
+        c.harness_cpu_s += time.thread_time() - t0
+        c.blocks_requested += len(keys)
+        c.prompt_tokens += req.input_length
+        hits = self.longest_prefix(keys)
+        c.hit_tokens += min(hits * self.tokens_per_block, req.input_length)
+        slots = self.take_slots(len(keys))
+        if hits:
+            self.load(keys[:hits], slots[:hits])
+        else:
+            self.poll()
+        if hits < len(keys):
+            self.store(keys[hits:], slots[hits:])
+        self.poll()
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        """Looks ``keys`` up in order up to the first MISS; the number of hits before it."""
+        c = self.counters
+        hits = 0
+        for key in keys:
+            res = self.lookup(key)
+            c.blocks_looked_up += 1
+            if res == self._lookup_result.HIT:
+                hits += 1
+            elif res == self._lookup_result.HIT_PENDING:
+                hits += 1
+                c.blocks_hit_pending += 1
+            else:
+                break
+        self.tier.on_step_end()
+        c.blocks_hit += hits
+        return hits
+
+    def load(self, keys: list[bytes], slots: list[int]) -> None:
+        """One load job for ``keys`` into ``slots``; returns once it finished (and was checked)."""
+        jid = self._submit(True, keys, slots)
+        while jid in self._pending:
+            self.wait_some(1.0)
+
+    def store(self, keys: list[bytes], slots: list[int]) -> None:
+        """Makes the blocks of ``keys`` in ``slots`` and submits one store job (not waited for)."""
+        t0 = time.thread_time()
+        for key, slot in zip(keys, slots):
+            self.pattern.fill(self.slot_view(slot), key)
+        self.counters.harness_cpu_s += time.thread_time() - t0
+        self._submit(False, keys, slots)
+
+    def _submit(self, is_load: bool, keys: list[bytes], slots: list[int]) -> int:
+        jid = next(self._job_ids)
+        self._pending[jid] = _Pending(is_load, keys, slots, time.perf_counter())
+        job = self._job(jid, keys, slots)
+        if is_load:
+            self.tier.submit_load(job)
+            self.counters.load_jobs += 1
+        else:
+            self.tier.submit_store(job)
+            self.counters.store_jobs += 1
+        return jid
+
+    def slot_view(self, slot: int) -> np.ndarray:
+        """The uint64 words of arena slot ``slot``."""
+        return self._arena64[slot * self._words : (slot + 1) * self._words]
+
+    def lookup(self, key: bytes) -> Any:
+        """The tier's answer for ``key``, asked again after a scheduler step while it is RETRY.
+        A RETRY that outlasts _LOOKUP_RETRY_DEADLINE_S with nothing in flight is an error, MISS."""
+        deadline = None
+        while True:
+            res = self.tier.lookup(key)
+            if res != self._lookup_result.RETRY:
+                return res
+            self.counters.lookup_retries += 1
+            self.tier.on_step_end()  # the next scheduler step: flushes the existence probe
+            if self._pending:
+                # a block being written answers RETRY until its store lands, however long that
+                # takes; wait_some() gives up only if the tier stops finishing jobs
+                deadline = None
+                self.wait_some(0.01)
+                continue
+            # nothing of ours in flight: only an existence probe can be pending
+            if deadline is None:
+                deadline = time.monotonic() + _LOOKUP_RETRY_DEADLINE_S
+            elif time.monotonic() > deadline:
+                self.counters.error(f"lookup of {key.hex()} still RETRY after {_LOOKUP_RETRY_DEADLINE_S:.0f} s "
+                                    "with nothing in flight; treated as MISS")
+                return self._lookup_result.MISS
+            time.sleep(0.0002)
+
+    def take_slots(self, n: int) -> list[int]:
+        """``n`` free arena slots, waiting for jobs in flight to free them."""
+        while len(self._free_slots) < n:
+            if not self._pending:
+                raise RuntimeError(f"arena exhausted: need {n} slots, {len(self._free_slots)} free, "
+                                   "nothing in flight")
+            self.wait_some(0.1)
+        return [self._free_slots.pop() for _ in range(n)]
+
+    def poll(self) -> None:
+        if self._pending:
+            self.handle(self.tier.get_finished_jobs())
+
+    def wait_some(self, timeout: float = 0.05) -> None:
+        """Waits up to ``timeout`` s for jobs and handles them; RuntimeError once none finished
+        for _STALL_DEADLINE_S with jobs in flight."""
+        self._guard.check()
+        results = self.tier.wait(timeout_s=timeout)
+        if results:
+            self.handle(results)
+        elif self._pending and time.monotonic() - self._last_finish > _STALL_DEADLINE_S:
+            raise RuntimeError(
+                f"tier stalled: {len(self._pending)} job(s) in flight and none finished for "
+                f"{_STALL_DEADLINE_S:.0f} s (job ids {sorted(self._pending)[:8]})"
+            )
+
+    def handle(self, results: Iterable[Any]) -> None:
+        """Counts finished jobs (JobResults), checks loaded bytes, frees their slots."""
+        now = time.perf_counter()
+        for r in results:
+            self._last_finish = time.monotonic()
+            p = self._pending.pop(r.job_id, None)
+            if p is None:
+                self.counters.error(f"job {r.job_id}: finished but was never submitted (or finished twice)")
+                continue
+            if bool(r.is_load) != p.is_load:
+                self.counters.error(f"job {r.job_id}: reported is_load={r.is_load}, "
+                                    f"submitted as {'load' if p.is_load else 'store'}")
+            if r.successful_keys is None:
+                ok_keys = set(p.keys) if r.success else set()
+            else:
+                ok_keys = set(r.successful_keys)
+            self._count_failures(r, p, ok_keys)
+            if p.is_load:
+                self._check_loaded(r, p, ok_keys, now)
+            else:
+                self._count_stored(r, p, ok_keys, now)
+            self._free_slots.extend(p.slots)
+        self.progress.show(self.bar_text())
+
+    def _count_failures(self, r: Any, p: _Pending, ok_keys: set[bytes]) -> None:
+        """Keys of job ``r`` not in ``ok_keys``: a store the tier declined under capacity
+        pressure is counted, not an error; any other failed key is an error."""
+        c = self.counters
+        reasons = getattr(r, "failed_keys", None) or {}
+        kind = "load" if p.is_load else "store"
+        hard = []
+        for k in (k for k in p.keys if k not in ok_keys):
+            reason = str(reasons.get(k, "no reason given"))
+            c.key_failed(kind, reason)
+            if p.is_load:
+                c.load_failed_keys += 1
+                hard.append(k)
+            elif reason.startswith(_STORE_REJECTIONS):
+                c.store_rejected_keys += 1
+            else:
+                c.store_failed_keys += 1
+                hard.append(k)
+        if hard:
+            c.error(f"{kind} job {r.job_id}: {len(hard)} of {len(p.keys)} keys failed "
+                    f"(first {hard[0].hex()}: {reasons.get(hard[0], 'no reason given')})", len(hard))
+
+    def _check_loaded(self, r: Any, p: _Pending, ok_keys: set[bytes], now: float) -> None:
+        c = self.counters
+        c.load_intervals.append((p.submit_t, now))
+        c.load_latencies.append(now - p.submit_t)
+        t0 = time.thread_time()
+        loaded = 0
+        for key, slot in zip(p.keys, p.slots):
+            if key not in ok_keys:
+                continue
+            loaded += 1
+            if not self.pattern.matches(self.slot_view(slot), key):
+                c.verification_failures += 1
+                c.sample(f"load job {r.job_id}: block {key.hex()} (slot {slot}) has the wrong bytes")
+        c.harness_cpu_s += time.thread_time() - t0
+        c.blocks_loaded += loaded
+        c.bytes_loaded += self.block_size * loaded
+
+    def _count_stored(self, r: Any, p: _Pending, ok_keys: set[bytes], now: float) -> None:
+        c = self.counters
+        c.store_intervals.append((p.submit_t, now))
+        n_ok = sum(1 for k in p.keys if k in ok_keys)
+        c.blocks_stored += n_ok
+        written = r.transfer_bytes
+        c.bytes_stored += int(written) if written is not None else self.block_size * n_ok
+
+    def bar_text(self) -> str:
+        """What the progress bar shows: the summary's figures so far (stores count when they
+        finish, as in the summary), and the stores still in flight."""
+        c = self.counters
+        storing = sum(1 for p in self._pending.values() if not p.is_load)
+        return (f"hit {c.block_hit_ratio:.2%}, loaded {format_bytes(c.bytes_loaded)}, "
+                f"stored {format_bytes(c.bytes_stored)}"
+                + (f" (+{storing} store job{'s' if storing != 1 else ''} in flight)" if storing else ""))
+
+
+def _requests_of(config: ReplayConfig, requests: Sequence[Request] | None) -> tuple[list[Request], str]:
+    """The requests to replay and the trace's name for the summary."""
+    if requests is None:
+        requests = load_trace(config.trace, config.max_requests)
+        trace_name = config.trace if config.trace is not None else "<bundled mooncake_conversation_trace.jsonl.gz>"
+        if not requests:
+            raise ReplayConfigError(f"{trace_name}: the trace holds no requests")
+        return list(requests), str(trace_name)
+    requests = list(requests)
+    if config.max_requests is not None:
+        requests = requests[: config.max_requests]
+    return requests, "<in-memory>" if config.trace is None else str(config.trace)
+
+
+def _open_given_root(root: str) -> str:
+    """``root`` as an absolute path, made (0700) if missing; ReplayConfigError naming it."""
+    root = os.path.abspath(root)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ReplayConfigError(f"cannot open the tier at {root}: not a directory")
+    try:
+        os.makedirs(root, 0o700, exist_ok=True)
+    except OSError as exc:
+        raise ReplayConfigError(f"cannot open the tier at {root}: {exc.strerror}") from exc
+    return root
+
+
+def _summarize(driver: ReplayDriver, config: ReplayConfig, model: str, trace_name: str,
+               root: str, arena_bytes: int, nrequests: int, wall: float, cpu: float) -> ReplaySummary:
+    c = driver.counters
+    stats = dict(driver.tier.stats())
+    engine_name = str(stats.get("engine") or getattr(driver.tier, "engine_name", None) or config.engine)
+    if "direct" in stats:
+        engine_name += ", O_DIRECT" if stats["direct"] else ", buffered I/O"
+    tier_verify = int(stats.get("verify_failures", 0) or 0)
+    if tier_verify:
+        c.error(f"the tier found {tier_verify} block(s) on disk that failed their checksum/identity proof", 0)
+    kv_per_token = _models.get_preset(config.model).kv_bytes_per_token
+    moved_gib = (c.bytes_loaded + c.bytes_stored) / (1 << 30)
+    load_busy = _union_seconds(c.load_intervals)
+    store_busy = _union_seconds(c.store_intervals)
+    lat = sorted(c.load_latencies)
+    counted = ({f.name for f in fields(ReplaySummary)} & {f.name for f in fields(ReplayCounters)}
+               - {"errors", "failure_reasons", "error_samples"})
+    return ReplaySummary(
+        **{name: getattr(c, name) for name in counted},
+        trace=trace_name, model=model, tokens_per_block=driver.tokens_per_block,
+        block_size_bytes=driver.block_size, engine=engine_name, root=root, root_removed=False,
+        capacity_bytes=config.capacity_bytes, arena_bytes=arena_bytes, requests=nrequests,
+        block_hit_ratio=c.block_hit_ratio,
+        byte_hit_ratio=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        prompt_kv_bytes=c.prompt_tokens * kv_per_token,
+        hit_kv_bytes=c.hit_tokens * kv_per_token,
+        load_busy_s=load_busy,
+        store_busy_s=store_busy,
+        load_gbps=c.bytes_loaded / load_busy / 1e9 if load_busy > 0 else 0.0,
+        store_gbps=c.bytes_stored / store_busy / 1e9 if store_busy > 0 else 0.0,
+        load_latency_ms_p50=None if not lat else _percentile(lat, 50) * 1e3,
+        load_latency_ms_p99=None if not lat else _percentile(lat, 99) * 1e3,
+        load_latency_ms_max=None if not lat else lat[-1] * 1e3,
+        cpu_s=cpu,
+        cpu_s_per_gib=cpu / moved_gib if moved_gib > 0 else None,
+        tier_cpu_s_per_gib=max(0.0, cpu - c.harness_cpu_s) / moved_gib if moved_gib > 0 else None,
+        evictions=int(stats.get("evictions", 0) or 0),
+        tier_verify_failures=tier_verify,
+        errors=c.errors + tier_verify,
+        failure_reasons=dict(sorted(c.failure_reasons.items(), key=lambda kv: -kv[1])),
+        error_samples=c.error_samples,
+        wall_s=wall,
+        tier_stats={k: jsonable(v) for k, v in stats.items()},
+    )
+
+
+class _Opened:
+    """What a replay opened and its clean-up closes: the tier, the arena's mapping, the
+    temporary root."""
+
+    def __init__(self) -> None:
+        self.tier: Any = None
+        self.mm: mmap.mmap | None = None
+        self.temp_root: str | None = None
+
+    def close(self, guard: _SignalGuard, unwinding: bool) -> bool:
+        """Shuts the tier down (in-flight I/O finishes: nothing writes under the root after
+        it), unmaps the arena, removes the temporary root; then the guard's release. Whether
+        the temporary root is gone. The first shutdown error is raised unless ``unwinding``
+        (then printed)."""
+        errors: list[BaseException] = []
+        if self.tier is not None:
+            try:
+                self.tier.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the root is removed all the same
+                errors.append(exc)
+            self.tier = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass  # something still holds a view (the tier); the GC unmaps it later
+        root_removed = _remove_tree(self.temp_root) if self.temp_root is not None else False
+        guard.release(unwinding)  # raises for a signal that came during the clean-up
+        if errors:
+            if not unwinding:
+                raise errors[0]
+            print(f"pykvtier replay: shutting the tier down failed: {errors[0]!r}", file=sys.stderr)
+        return root_removed
+
+
 def run_replay(
     config: ReplayConfig,
     requests: Sequence[Request] | None = None,
@@ -502,351 +909,39 @@ def run_replay(
     clean-up (tier shutdown: in-flight I/O finishes; arena; removal) is not interrupted by
     further signals; one arriving during it is delivered after it.
     """
-    from . import LookupResult, TransferJob
-
     preset = _models.get_preset(config.model)
     tpb = _models.validate_tokens_per_block(config.tokens_per_block)
-    spb = TRACE_BLOCK_TOKENS // tpb
     bs = preset.block_size_bytes(tpb)
-    kv_per_token = preset.kv_bytes_per_token
-
-    if requests is None:
-        requests = load_trace(config.trace, config.max_requests)
-        trace_name = config.trace if config.trace is not None else "<bundled mooncake_conversation_trace.jsonl.gz>"
-        if not requests:
-            raise ReplayConfigError(f"{trace_name}: the trace holds no requests")
-    else:
-        requests = list(requests)
-        if config.max_requests is not None:
-            requests = requests[: config.max_requests]
-        trace_name = "<in-memory>" if config.trace is None else config.trace
-
-    max_blocks = max((len(r.hash_ids) * spb for r in requests), default=1)
+    requests, trace_name = _requests_of(config, requests)
+    max_blocks = max((len(r.hash_ids) * (TRACE_BLOCK_TOKENS // tpb) for r in requests), default=1)
     nslots = _arena_slots(max_blocks, bs, config.arena_bytes)
-    words_per_block = bs // 8
-    pattern = BlockPattern(bs)
-
-    root_given = config.root is not None
-    if root_given:
-        root = os.path.abspath(config.root)
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise ReplayConfigError(f"cannot open the tier at {root}: not a directory")
-        try:
-            os.makedirs(root, 0o700, exist_ok=True)
-        except OSError as exc:
-            raise ReplayConfigError(f"cannot open the tier at {root}: {exc.strerror}") from exc
-
+    root = _open_given_root(config.root) if config.root is not None else None
     factory = tier_factory or (lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle))
-    mm = None
-    tier = None
-    temp_root = None  # the temporary root, once it exists: removed by the clean-up below
-    root_removed = False
+    opened = _Opened()
+    driver = arena = None
     guard = _SignalGuard()
     try:
         guard.install()
-        if not root_given:
+        if root is None:
             guard.hold = True  # the directory exists only once its path is recorded
-            root = temp_root = tempfile.mkdtemp(prefix="pykvtier-replay-")
+            root = opened.temp_root = tempfile.mkdtemp(prefix="pykvtier-replay-")
             guard.hold = False
             guard.check()
-        mm, arena = _allocate_arena(nslots * bs)
-        arena64 = arena.view(np.uint64)
+        opened.mm, arena = _allocate_arena(nslots * bs)
         try:
-            tier = factory(root, bs, config.capacity_bytes, config.engine)
+            opened.tier = factory(root, bs, config.capacity_bytes, config.engine)
         except ValueError as exc:  # bad engine, unusable root, capacity below one block, ...
             raise ReplayConfigError(f"cannot open the tier at {root}: {exc}") from exc
-        tier.set_arena(arena)
-
-        def slot_view(slot: int) -> np.ndarray:
-            return arena64[slot * words_per_block : (slot + 1) * words_per_block]
-
-        # LIFO: reuse the slots freed last (warm in cache and already faulted in)
-        free_slots: list[int] = list(range(nslots - 1, -1, -1))
-        pending: dict[int, _Pending] = {}
-        job_ids = itertools.count(1)
-
-        # counters
-        c = dict(
-            blocks_requested=0, blocks_looked_up=0, blocks_hit=0, blocks_hit_pending=0,
-            lookup_retries=0, load_jobs=0, store_jobs=0, blocks_loaded=0, blocks_stored=0,
-            bytes_loaded=0, bytes_stored=0, verification_failures=0, errors=0,
-            prompt_tokens=0, hit_tokens=0, load_failed_keys=0, store_failed_keys=0,
-            store_rejected_keys=0,
-        )
-        failure_reasons: dict[str, int] = {}
-        error_samples: list[str] = []
-        load_intervals: list[tuple[float, float]] = []
-        store_intervals: list[tuple[float, float]] = []
-        load_latencies: list[float] = []
-        harness_cpu = 0.0
-
-        def error(msg: str, count: int = 1) -> None:
-            c["errors"] += count
-            if len(error_samples) < 20:
-                error_samples.append(msg)
-
-        last_finish = [time.monotonic()]  # when a job last finished (stall detection)
-
-        def handle(results: Iterable[Any]) -> None:
-            nonlocal harness_cpu
-            now = time.perf_counter()
-            for r in results:
-                last_finish[0] = time.monotonic()
-                p = pending.pop(r.job_id, None)
-                if p is None:
-                    error(f"job {r.job_id}: finished but was never submitted (or finished twice)")
-                    continue
-                if bool(r.is_load) != p.is_load:
-                    error(f"job {r.job_id}: reported is_load={r.is_load}, submitted as {'load' if p.is_load else 'store'}")
-                if r.successful_keys is None:
-                    ok_keys = set(p.keys) if r.success else set()
-                else:
-                    ok_keys = set(r.successful_keys)
-                failed = [k for k in p.keys if k not in ok_keys]
-                if failed:
-                    reasons = getattr(r, "failed_keys", None) or {}
-                    kind = "load" if p.is_load else "store"
-                    hard = []
-                    for k in failed:
-                        reason = str(reasons.get(k, "no reason given"))
-                        failure_reasons[f"{kind}: {reason}"] = failure_reasons.get(f"{kind}: {reason}", 0) + 1
-                        if p.is_load:
-                            c["load_failed_keys"] += 1
-                            hard.append(k)
-                        elif reason.startswith(_STORE_REJECTIONS):
-                            c["store_rejected_keys"] += 1  # the tier declined it: capacity pressure
-                        else:
-                            c["store_failed_keys"] += 1
-                            hard.append(k)
-                    if hard:
-                        error(
-                            f"{kind} job {r.job_id}: {len(hard)} of {len(p.keys)} keys failed "
-                            f"(first {hard[0].hex()}: {reasons.get(hard[0], 'no reason given')})",
-                            len(hard),
-                        )
-                if p.is_load:
-                    load_intervals.append((p.submit_t, now))
-                    load_latencies.append(now - p.submit_t)
-                    t0 = time.thread_time()
-                    for key, slot in zip(p.keys, p.slots):
-                        if key in ok_keys:
-                            c["blocks_loaded"] += 1
-                            if not pattern.matches(slot_view(slot), key):
-                                c["verification_failures"] += 1
-                                if len(error_samples) < 20:
-                                    error_samples.append(f"load job {r.job_id}: block {key.hex()} (slot {slot}) has the wrong bytes")
-                    harness_cpu += time.thread_time() - t0
-                    c["bytes_loaded"] += bs * sum(1 for k in p.keys if k in ok_keys)
-                else:
-                    store_intervals.append((p.submit_t, now))
-                    written = r.transfer_bytes
-                    n_ok = sum(1 for k in p.keys if k in ok_keys)
-                    c["blocks_stored"] += n_ok
-                    c["bytes_stored"] += int(written) if written is not None else bs * n_ok
-                free_slots.extend(p.slots)
-            progress.show(bar_text())
-
-        def bar_text() -> str:
-            """What the bar shows: the summary's figures so far (stores count when they finish,
-            as in the summary), and the stores still in flight."""
-            storing = sum(1 for p in pending.values() if not p.is_load)
-            return (f"hit {c['blocks_hit'] / c['blocks_requested'] if c['blocks_requested'] else 0.0:.2%}, "
-                    f"loaded {format_bytes(c['bytes_loaded'])}, stored {format_bytes(c['bytes_stored'])}"
-                    + (f" (+{storing} store job{'s' if storing != 1 else ''} in flight)" if storing else ""))
-
-        def poll() -> None:
-            if pending:
-                handle(tier.get_finished_jobs())
-
-        def wait_some(timeout: float = 0.05) -> None:
-            guard.check()
-            results = tier.wait(timeout_s=timeout)
-            if results:
-                handle(results)
-            elif pending and time.monotonic() - last_finish[0] > _STALL_DEADLINE_S:
-                raise RuntimeError(
-                    f"tier stalled: {len(pending)} job(s) in flight and none finished for "
-                    f"{_STALL_DEADLINE_S:.0f} s (job ids {sorted(pending)[:8]})"
-                )
-
-        def lookup(key: bytes):
-            deadline = None
-            while True:
-                res = tier.lookup(key)
-                if res != LookupResult.RETRY:
-                    return res
-                c["lookup_retries"] += 1
-                tier.on_step_end()  # the next scheduler step: flushes the existence probe
-                if pending:
-                    # A block being written answers RETRY until its store lands, however long
-                    # that takes; wait_some() gives up only if the tier stops finishing jobs.
-                    deadline = None
-                    wait_some(0.01)
-                else:
-                    # Nothing of ours in flight: only an existence probe can be pending.
-                    if deadline is None:
-                        deadline = time.monotonic() + _LOOKUP_RETRY_DEADLINE_S
-                    elif time.monotonic() > deadline:
-                        error(f"lookup of {key.hex()} still RETRY after {_LOOKUP_RETRY_DEADLINE_S:.0f} s "
-                              "with nothing in flight; treated as MISS")
-                        return LookupResult.MISS
-                    time.sleep(0.0002)
-
-        def take_slots(n: int) -> list[int]:
-            while len(free_slots) < n:
-                if not pending:
-                    raise RuntimeError(f"arena exhausted: need {n} slots, {len(free_slots)} free, nothing in flight")
-                wait_some(0.1)
-            return [free_slots.pop() for _ in range(n)]
-
-        progress = _Progress(len(requests), config.progress)
-        cpu0 = _rusage_cpu()
-        t_start = time.perf_counter()
-        try:
-            for req in requests:
-                guard.check()
-                t0 = time.thread_time()
-                keys = [block_key(h, s, bs) for h in req.hash_ids for s in range(spb)]
-                harness_cpu += time.thread_time() - t0
-                n = len(keys)
-                c["blocks_requested"] += n
-                c["prompt_tokens"] += req.input_length
-
-                # phase 1: the longest prefix the tier holds
-                hits = 0
-                for key in keys:
-                    res = lookup(key)
-                    c["blocks_looked_up"] += 1
-                    if res == LookupResult.HIT:
-                        hits += 1
-                    elif res == LookupResult.HIT_PENDING:
-                        hits += 1
-                        c["blocks_hit_pending"] += 1
-                    else:
-                        break
-                tier.on_step_end()
-                c["blocks_hit"] += hits
-                c["hit_tokens"] += min(hits * tpb, req.input_length)
-
-                slots = take_slots(n)
-                # phase 2: promote the prefix (one job), wait for it, check every byte
-                if hits:
-                    jid = next(job_ids)
-                    p = _Pending(True, keys[:hits], slots[:hits], time.perf_counter())
-                    pending[jid] = p
-                    tier.submit_load(TransferJob(jid, p.keys, p.slots))
-                    c["load_jobs"] += 1
-                    while jid in pending:
-                        wait_some(1.0)
-                else:
-                    poll()
-                # "compute" the rest of the prompt, then cascade it (one job, in the background)
-                if hits < n:
-                    t0 = time.thread_time()
-                    for key, slot in zip(keys[hits:], slots[hits:]):
-                        pattern.fill(slot_view(slot), key)
-                    harness_cpu += time.thread_time() - t0
-                    jid = next(job_ids)
-                    p = _Pending(False, keys[hits:], slots[hits:], time.perf_counter())
-                    pending[jid] = p
-                    tier.submit_store(TransferJob(jid, p.keys, p.slots))
-                    c["store_jobs"] += 1
-                poll()
-                progress.show(bar_text())
-                progress.advance()
-            while pending:
-                wait_some(1.0)
-            tier.drain()
-            handle(tier.get_finished_jobs())
-        finally:
-            progress.close()
-        wall = time.perf_counter() - t_start
-        cpu = _rusage_cpu() - cpu0
-
-        stats = dict(tier.stats())
-        engine_name = str(stats.get("engine") or getattr(tier, "engine_name", None) or config.engine)
-        if "direct" in stats:
-            engine_name += ", O_DIRECT" if stats["direct"] else ", buffered I/O"
-        tier_verify = int(stats.get("verify_failures", 0) or 0)
-        if tier_verify:
-            error(f"the tier found {tier_verify} block(s) on disk that failed their checksum/identity proof", 0)
-
-        moved_gib = (c["bytes_loaded"] + c["bytes_stored"]) / (1 << 30)
-        load_busy = _union_seconds(load_intervals)
-        store_busy = _union_seconds(store_intervals)
-        lat = sorted(load_latencies)
-        summary = ReplaySummary(
-            trace=str(trace_name),
-            model=preset.name,
-            tokens_per_block=tpb,
-            block_size_bytes=bs,
-            engine=engine_name,
-            root=root,
-            root_removed=False,
-            capacity_bytes=config.capacity_bytes,
-            arena_bytes=nslots * bs,
-            requests=len(requests),
-            blocks_requested=c["blocks_requested"],
-            blocks_looked_up=c["blocks_looked_up"],
-            blocks_hit=c["blocks_hit"],
-            blocks_hit_pending=c["blocks_hit_pending"],
-            lookup_retries=c["lookup_retries"],
-            block_hit_ratio=c["blocks_hit"] / c["blocks_requested"] if c["blocks_requested"] else 0.0,
-            byte_hit_ratio=c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-            prompt_kv_bytes=c["prompt_tokens"] * kv_per_token,
-            hit_kv_bytes=c["hit_tokens"] * kv_per_token,
-            load_jobs=c["load_jobs"],
-            store_jobs=c["store_jobs"],
-            blocks_loaded=c["blocks_loaded"],
-            blocks_stored=c["blocks_stored"],
-            bytes_loaded=c["bytes_loaded"],
-            bytes_stored=c["bytes_stored"],
-            load_busy_s=load_busy,
-            store_busy_s=store_busy,
-            load_gbps=c["bytes_loaded"] / load_busy / 1e9 if load_busy > 0 else 0.0,
-            store_gbps=c["bytes_stored"] / store_busy / 1e9 if store_busy > 0 else 0.0,
-            load_latency_ms_p50=None if not lat else _percentile(lat, 50) * 1e3,
-            load_latency_ms_p99=None if not lat else _percentile(lat, 99) * 1e3,
-            load_latency_ms_max=None if not lat else lat[-1] * 1e3,
-            cpu_s=cpu,
-            cpu_s_per_gib=cpu / moved_gib if moved_gib > 0 else None,
-            harness_cpu_s=harness_cpu,
-            tier_cpu_s_per_gib=max(0.0, cpu - harness_cpu) / moved_gib if moved_gib > 0 else None,
-            evictions=int(stats.get("evictions", 0) or 0),
-            verification_failures=c["verification_failures"],
-            tier_verify_failures=tier_verify,
-            load_failed_keys=c["load_failed_keys"],
-            store_failed_keys=c["store_failed_keys"],
-            store_rejected_keys=c["store_rejected_keys"],
-            errors=c["errors"] + tier_verify,
-            failure_reasons=dict(sorted(failure_reasons.items(), key=lambda kv: -kv[1])),
-            error_samples=error_samples,
-            wall_s=wall,
-            tier_stats={k: jsonable(v) for k, v in stats.items()},
-        )
+        opened.tier.set_arena(arena)
+        driver = ReplayDriver(opened.tier, arena, bs, tpb, guard, _Progress(len(requests), config.progress))
+        wall, cpu = driver.run(requests)
+        summary = _summarize(driver, config, preset.name, trace_name, root, nslots * bs, len(requests),
+                             wall, cpu)
     finally:
         guard.hold = True  # first (a plain store: no signal handler runs before it)
         unwinding = sys.exc_info()[1] is not None
-        errors: list[BaseException] = []
-        if tier is not None:
-            try:
-                tier.shutdown()  # in-flight I/O finishes: nothing writes under the root after it
-            except Exception as exc:  # noqa: BLE001 - the root is removed all the same
-                errors.append(exc)
-            tier = None
-        if mm is not None:
-            arena = arena64 = None  # noqa: F841 - drop our views so the mapping can close
-            try:
-                mm.close()
-            except BufferError:
-                pass  # something still holds a view (the tier); the GC unmaps it later
-        if temp_root is not None:
-            root_removed = _remove_tree(temp_root)
-        guard.release(unwinding)  # raises for a signal that came during the clean-up
-        if errors:
-            if not unwinding:
-                raise errors[0]
-            print(f"pykvtier replay: shutting the tier down failed: {errors[0]!r}", file=sys.stderr)
+        driver = arena = None  # noqa: F841 - drop our views so the mapping can close
+        root_removed = opened.close(guard, unwinding)
     summary.root_removed = root_removed
     return summary
 
