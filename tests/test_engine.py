@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import struct
 import subprocess
 import sys
 
@@ -838,3 +839,162 @@ def test_payload_checksum_is_xxh3_64(size):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     assert _native.CHECKSUM_IMPL in ("avx2", "sse2")
     assert _native.xxh3_64(data) == xxhash.xxh3_64_intdigest(data.tobytes())
+
+
+# ------------------------------------------------------------------------- the one model, verify
+
+
+@pytest.fixture(params=["uring", "posix"])
+def any_engine(request):
+    e = Engine(queue_depth=8) if request.param == "uring" else _native.PosixEngine(queue_depth=8)
+    yield e
+    e.shutdown()
+
+
+def _v1_header(digest: bytes, payload: bytes) -> bytes:
+    """A format-1 header written by hand (magic, version, header_bytes, payload_bytes, digest,
+    payload xxh3, header xxh3 of the 48 bytes before it), zero padded to HEADER_BYTES."""
+    head = struct.pack("<8sIIQ16sQ", b"PYKVTBLK", 1, HEADER_BYTES, len(payload), digest,
+                       _native.xxh3_64(np.frombuffer(payload, np.uint8)))
+    head += struct.pack("<Q", _native.xxh3_64(np.frombuffer(head, np.uint8)))
+    return head.ljust(HEADER_BYTES, b"\0")
+
+
+def _store(engine, root, key: bytes, src, size, verify):
+    final = os.path.join(root, key.decode() + ".kvb")
+    res = run_job(engine, Op.WRITE_BLOCK, [(final + ".tmp", final, size, addr(src), key_digest(key))],
+                  direct=False, verify=verify)
+    assert res == [size]
+    return final
+
+
+def _load(engine, final, key: bytes, dst, size, verify):
+    return run_job(engine, Op.READ_BLOCK, [(final, size, addr(dst), key_digest(key))], direct=False,
+                   verify=verify)
+
+
+def test_module_exports_the_one_model():
+    assert [Op.READ, Op.WRITE, Op.READ_BLOCK, Op.WRITE_BLOCK, Op.UNLINK] == [
+        _native.READ, _native.WRITE, _native.READ_BLOCK, _native.WRITE_BLOCK, _native.UNLINK]
+    assert {e.name: int(e) for e in _native.BlockError.__members__.values()} == {
+        "SHORT": _native.ERR_SHORT, "BAD_HEADER": _native.ERR_BAD_HEADER,
+        "KEY_MISMATCH": _native.ERR_KEY_MISMATCH, "LENGTH": _native.ERR_LENGTH,
+        "CHECKSUM": _native.ERR_CHECKSUM}
+    assert _native.ERR_CHECKSUM == -100005
+    assert _native.FORMAT_VERSIONS == (1, 2)
+    assert len(_native.STATS_KEYS) == len(set(_native.STATS_KEYS))
+    assert "loads_unchecked_payload" in _native.STATS_KEYS
+    assert _native.result_text(_native.ERR_CHECKSUM) == "payload checksum mismatch (corrupt bytes)"
+    assert _native.result_text(-errno.ENOENT) == "ENOENT: " + os.strerror(errno.ENOENT)
+
+
+def test_finished_job_is_tuple_compatible():
+    f = _native.FinishedJob(7, Op.READ_BLOCK, [4096, -2], submits=1, queued_s=0.5, transfer_s=0.25)
+    assert (f.job_id, f.op, f.results, f.submits, f.queued_s, f.transfer_s) == (
+        7, Op.READ_BLOCK, [4096, -2], 1, 0.5, 0.25)
+    jid, op, results, *rest = f
+    assert (jid, op, results, rest) == (7, Op.READ_BLOCK, [4096, -2], [1, 0.5, 0.25])
+    assert len(f) == 6 and f[2] == [4096, -2] and f[-1] == 0.25 and f[:2] == (7, Op.READ_BLOCK)
+    assert f == (7, Op.READ_BLOCK, [4096, -2], 1, 0.5, 0.25)
+    assert _native.FinishedJob(1, "unlink", [0]).op == Op.UNLINK  # old op names, for now
+    with pytest.raises(ValueError, match="unknown op 'scan'"):
+        _native.FinishedJob(1, "scan", [])
+
+
+def test_stats_keys_are_every_engines(any_engine):
+    assert tuple(any_engine.stats()) == _native.STATS_KEYS
+    assert any_engine.name in ("uring", "posix")
+
+
+def test_bad_verify_is_refused_naming_it(root, aligned, any_engine):
+    src = aligned(4096)
+    with pytest.raises(ValueError, match=r'verify must be "payload" or "header", got \'none\''):
+        any_engine.submit(1, Op.WRITE_BLOCK, [(f"{root}/x.tmp", f"{root}/x", 4096, addr(src), key_digest(b"x"))],
+                          verify="none")
+    assert any_engine.pending_jobs() == 0 and os.listdir(root) == []
+
+
+@pytest.mark.parametrize("verify", ["payload", "header"])
+def test_block_round_trip_with_each_verify(root, aligned, any_engine, verify):
+    size = 64 * KiB
+    src = aligned(size, fill=0)
+    src[:] = np.arange(size, dtype=np.uint32).astype(np.uint8)
+    final = _store(any_engine, root, b"k", src, size, verify)
+    raw = file_bytes(final)
+    assert raw[HEADER_BYTES:] == src.tobytes()
+    h = _native.parse_header(raw[:HEADER_BYTES])
+    assert h["header_ok"] and h["key_digest"] == key_digest(b"k") and h["payload_bytes"] == size
+    if verify == "payload":  # flags 0: version 1, byte-identical to earlier releases
+        assert (h["version"], h["flags"], h["payload_checksum"]) == (1, 0, True)
+        assert h["payload_xxh3"] == _native.xxh3_64(src)
+        assert raw[:HEADER_BYTES] == _v1_header(key_digest(b"k"), src.tobytes())
+    else:
+        assert (h["version"], h["flags"], h["payload_xxh3"], h["payload_checksum"]) == (
+            2, _native.HEADER_FLAG_NO_PAYLOAD_CHECKSUM, 0, False)
+    dst = aligned(size, fill=0xEE)
+    assert _load(any_engine, final, b"k", dst, size, verify) == [size]
+    assert dst.tobytes() == src.tobytes()
+    assert any_engine.stats()["loads_unchecked_payload"] == 0
+
+
+@pytest.mark.parametrize("verify", ["payload", "header"])
+def test_hand_written_v1_block_loads(root, aligned, any_engine, verify):
+    size = 8 * KiB
+    payload = bytes(range(256)) * (size // 256)
+    path = os.path.join(root, "v1.kvb")
+    with open(path, "wb") as f:
+        f.write(_v1_header(key_digest(b"old"), payload) + payload)
+    dst = aligned(size)
+    assert _load(any_engine, path, b"old", dst, size, verify) == [size]
+    assert dst.tobytes() == payload
+    assert _load(any_engine, path, b"other", dst, size, verify) == [_native.ERR_KEY_MISMATCH]
+    assert not dst.any()
+
+
+def test_corrupt_payload_caught_by_payload_not_by_header(root, aligned, any_engine):
+    size = 16 * KiB
+    src = aligned(size, fill=5)
+    src[100] = 5
+    final = _store(any_engine, root, b"c", src, size, "payload")
+    with open(final, "r+b") as f:
+        f.seek(HEADER_BYTES + 100)
+        f.write(b"\x06")
+    dst = aligned(size, fill=1)
+    assert _load(any_engine, final, b"c", dst, size, "payload") == [_native.BlockError.CHECKSUM]
+    assert not dst.any()  # a failed load leaves zeros
+    assert _load(any_engine, final, b"c", dst, size, "header") == [size]
+    want = bytearray(src.tobytes())
+    want[100] = 6
+    assert dst.tobytes() == bytes(want)
+    s = any_engine.stats()
+    assert s["verify_failures"] == 1 and s["loads_unchecked_payload"] == 0
+
+
+def test_header_verified_block_read_by_payload_reader(root, aligned, any_engine):
+    size = 16 * KiB
+    src = aligned(size, fill=9)
+    finals = [_store(any_engine, root, b"h%d" % i, src, size, "header") for i in range(3)]
+    dst = aligned(3 * size)
+    res = run_job(any_engine, Op.READ_BLOCK,
+                  [(p, size, addr(dst) + i * size, key_digest(b"h%d" % i)) for i, p in enumerate(finals)],
+                  direct=False, verify="payload")
+    assert res == [size] * 3 and dst.tobytes() == src.tobytes() * 3
+    assert any_engine.stats()["loads_unchecked_payload"] == 3
+    assert _load(any_engine, finals[0], b"h0", dst, size, "header") == [size]  # not counted
+    assert any_engine.stats()["loads_unchecked_payload"] == 3
+
+
+def test_parse_header_refuses_damaged_headers():
+    digest = key_digest(b"p")
+    v1 = bytearray(_v1_header(digest, b"\1" * 4096))
+    assert _native.parse_header(bytes(v1))["header_ok"]
+    assert _native.parse_header(bytes(v1[:64]))["header_ok"]
+    assert not _native.parse_header(bytes(v1[:40]))["header_ok"]  # too short: not raised
+    for off in (0, 8, 12, 16, 40):  # magic, version, header_bytes, payload_bytes, payload xxh3
+        bad = bytearray(v1)
+        bad[off] ^= 1
+        assert not _native.parse_header(bytes(bad))["header_ok"], off
+    unknown_flags = struct.pack("<8sIIQ16sQII", b"PYKVTBLK", 2, HEADER_BYTES, 4096, digest, 0, 2, 0)
+    unknown_flags += struct.pack("<Q", _native.xxh3_64(np.frombuffer(unknown_flags, np.uint8)))
+    h = _native.parse_header(unknown_flags)
+    assert (h["version"], h["flags"], h["header_ok"]) == (2, 2, False)  # a flag this reader does not know

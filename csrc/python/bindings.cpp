@@ -36,13 +36,15 @@ void register_job_types(py::module_& m) {
       .value("WRITE_BLOCK", Op::WriteBlock)
       .value("UNLINK", Op::Unlink)
       .export_values();
-  py::enum_<BlockError>(m, "BlockError", py::arithmetic(),
-                        "Results beyond the errno range: a block file that failed its checks.")
-      .value("SHORT", BlockError::Short)
-      .value("BAD_HEADER", BlockError::BadHeader)
-      .value("KEY_MISMATCH", BlockError::KeyMismatch)
-      .value("LENGTH", BlockError::Length)
-      .value("CHECKSUM", BlockError::Checksum);
+  // Results stay plain ints: BlockError is an enum.IntEnum, equal to the ints it names.
+  py::list members;
+  for (auto [name, v] : {std::pair{"SHORT", kErrShort}, {"BAD_HEADER", kErrBadHeader},
+                         {"KEY_MISMATCH", kErrKeyMismatch}, {"LENGTH", kErrLength}, {"CHECKSUM", kErrChecksum}})
+    members.append(py::make_tuple(name, v));
+  py::object block_error = py::module_::import("enum").attr("IntEnum")("BlockError", members);
+  block_error.attr("__module__") = m.attr("__name__");
+  block_error.attr("__doc__") = "Results beyond the errno range: a block file that failed its checks.";
+  m.attr("BlockError") = block_error;
   m.attr("ERR_SHORT") = kErrShort;
   m.attr("ERR_BAD_HEADER") = kErrBadHeader;
   m.attr("ERR_KEY_MISMATCH") = kErrKeyMismatch;
