@@ -104,6 +104,22 @@ void apply_dir_errors(Job& job, const std::vector<std::string>& dirs, const std:
   }
 }
 
+void sync_renamed_dirs(Job& job, Stats& stats) {
+  const std::vector<std::string> dirs = renamed_dirs(job);
+  std::vector<int> err(dirs.size(), 0);
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const int fd = open_dir_for_sync(dirs[i], op_is_block(job.op));
+    if (fd < 0) {
+      err[i] = fd;
+      continue;
+    }
+    stats.dir_fsyncs++;
+    if (::fsync(fd) != 0) err[i] = -errno;
+    ::close(fd);
+  }
+  apply_dir_errors(job, dirs, err, stats);
+}
+
 void fill_header(char* hdr, const Job& job, const Request& r) {
   if (job.verify == Verify::Header) {
     fill_block_header(hdr, r.digest, r.length, 0, kFlagNoPayloadChecksum);

@@ -60,6 +60,10 @@ std::vector<std::string> renamed_dirs(const Job& job);
 // After the directory fsyncs: the requests renamed into dirs[i] whose fsync failed (err[i] < 0)
 // fail with that error (their rename is not durable). Counters adjusted.
 void apply_dir_errors(Job& job, const std::vector<std::string>& dirs, const std::vector<int>& err, Stats& stats);
+// The directory fsyncs of an fsync=True store job, for engines that sync with plain system calls
+// (posix, gds): each of renamed_dirs(job) opened (open_dir_for_sync, no links for block ops) and
+// fsync'ed once (stats.dir_fsyncs), then apply_dir_errors.
+void sync_renamed_dirs(Job& job, Stats& stats);
 
 // Fills hdr (kHeaderBytes) with the header of the block r writes (r.length payload bytes at host
 // address r.addr, key r.digest): with its payload XXH3 (job.verify Payload), or version 2 flagged

@@ -305,7 +305,7 @@ void GdsEngine::run_next() {
   lk.unlock();  // the last request of the job: its checks, counters, directory fsyncs
   if (job.op == Op::ReadBlock) verify_job(t, *task.p);
   count_results(job);
-  if (job.fsync) sync_dirs(job);
+  if (job.fsync) detail::sync_renamed_dirs(job, stats_);
   lk.lock();
   job.end_time = monotonic_seconds();
   finish_locked(job);
@@ -558,22 +558,6 @@ void GdsEngine::count_results(const Job& job) {
   }
 }
 
-// fsync=True: each distinct directory of the job's renames, once, before the job is reported.
-void GdsEngine::sync_dirs(Job& job) {
-  const std::vector<std::string> dirs = detail::renamed_dirs(job);
-  std::vector<int> err(dirs.size(), 0);
-  for (size_t i = 0; i < dirs.size(); ++i) {
-    const int fd = detail::open_dir_for_sync(dirs[i], op_is_block(job.op));
-    if (fd < 0) {
-      err[i] = fd;
-      continue;
-    }
-    stats_.dir_fsyncs++;
-    if (::fsync(fd) != 0) err[i] = -errno;
-    ::close(fd);
-  }
-  detail::apply_dir_errors(job, dirs, err, stats_);
-}
 
 // ------------------------------------------------------------------------------ status
 
