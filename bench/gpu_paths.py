@@ -64,14 +64,15 @@ class Env:
     def __init__(self, fake: bool) -> None:
         self.fake = fake
         if fake:
-            from pykvtier.bounce import HostCopier
+            from pykvtier.engines import gpu as engines_gpu
+            from pykvtier.engines.bounce import HostCopier
             from pykvtier.posix_engine import PosixEngine
 
             st = gpu.gds_status()
             st = dict(st, built=True, importable=True, cuda_devices=1, cufile_library=True,
                       cufile_available=True, gds_available=True, nvfs_version="fake", root_probe=None)
             st["usable"], st["reason"] = True, "fake GPU (--fake): numbers mean nothing"
-            gpu.hooks = gpu._Hooks(status=lambda root: st,
+            engines_gpu.hooks = engines_gpu._Hooks(status=lambda root: st,
                                    make_gds=lambda threads, compat, verify: PosixEngine(queue_depth=threads),
                                    make_copier=lambda arena: HostCopier())
             self.torch = None
@@ -234,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.root, exist_ok=True)
 
-    status = gpu.hooks.status(os.path.join(args.root, "blocks") if os.path.isdir(os.path.join(args.root, "blocks"))
+    from pykvtier.engines import gpu as engines_gpu
+
+    status = engines_gpu.hooks.status(os.path.join(args.root, "blocks") if os.path.isdir(os.path.join(args.root, "blocks"))
                               else args.root)
     wanted = [p for p in args.paths.split(",") if p]
     skipped: dict[str, str] = {}

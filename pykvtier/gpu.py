@@ -1,8 +1,8 @@
-"""GPU destinations: device arenas, the gds engine, and the honest fallbacks.
+"""GPU destinations: what the GPU paths can use here, and how loads reach a device arena.
 
 A :class:`~pykvtier.tier.DiskTier` whose arena is a CUDA tensor loads blocks into (and stores them
-from) device slots. One of three paths does the work, chosen once per arena by
-:func:`choose_path` from :func:`gds_status` and announced once in the log:
+from) device slots by one of three paths, chosen once per arena by :func:`choose_path` from
+:func:`gds_status` and announced once in the log (see :mod:`pykvtier.engines.gpu`):
 
 ``gds``
     The gds engine (``pykvtier._gds``, C++ on libkvikio): cuFile reads straight from the file into
@@ -11,7 +11,7 @@ from) device slots. One of three paths does the work, chosen once per arena by
 ``bounce``
     The host engine (io_uring, or the posix engine) reads into a pinned host bounce arena, verifies
     each block there, and a side CUDA stream copies it to the device slot, chunk by chunk, so copies
-    overlap the next reads (:class:`pykvtier.bounce.BounceEngine`).
+    overlap the next reads (:class:`pykvtier.engines.bounce.BounceEngine`).
 ``kvikio-compat``
     The gds engine with kvikio's compatibility mode: POSIX reads into kvikio's pinned buffers and
     copies, from kvikio's side.
@@ -21,9 +21,6 @@ built, libcufile loads, the cuFile driver reports nvidia-fs, and kvikio register
 tier's root with cuFile), else ``bounce`` over io_uring, else ``kvikio-compat`` where io_uring is
 unavailable, else ``bounce`` over the posix engine. Each decision carries its reason
 (:class:`PathChoice`), which ``pykvtier doctor`` prints too.
-
-Everything here that touches a GPU goes through injectable pieces (the status dict, the gds engine
-factory, the copier), so the selection and dispatch run and are tested on machines without one.
 """
 
 from __future__ import annotations
@@ -31,70 +28,22 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib
-import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import _native
-from .bounce import BounceEngine
+from .engines.bounce import TorchCopier
+from .engines.gpu import PATHS, DeviceOptions, PathChoice, choose_path
 
 __all__ = [
     "DeviceOptions",
-    "GdsPathEngine",
     "PATHS",
     "PathChoice",
     "TorchCopier",
-    "attach_device_arena",
     "choose_path",
     "gds_status",
     "load_gds_module",
 ]
-
-logger = logging.getLogger("pykvtier")
-
-PATHS = ("gds", "kvikio-compat", "bounce")
-
-
-@dataclass
-class DeviceOptions:
-    """How a tier moves blocks to and from a device arena (``DiskTier(device_path=...)`` takes one
-    of these or just the path name).
-
-    path: "auto", "gds", "kvikio-compat" or "bounce" (see the module docs).
-    io_threads: requests in flight in the gds engine.
-    verify: the gds engine's payload checksum: "auto" (on the device where the kernel was built,
-        else on the host), "device", "host", "header" (not checked; for measuring).
-    bounce_slots: pinned host slots of the bounce path (``bounce_slots * block`` bytes pinned).
-    chunk_blocks: blocks per host job of the bounce path (the copy/read overlap granularity).
-    """
-
-    path: str = "auto"
-    io_threads: int = 16
-    verify: str = "auto"
-    bounce_slots: int = 64
-    chunk_blocks: int = 4
-
-    @classmethod
-    def of(cls, value: Any) -> DeviceOptions:
-        if isinstance(value, DeviceOptions):
-            return value
-        if isinstance(value, str):
-            if value not in ("auto",) + PATHS:
-                raise ValueError(f"unknown device_path {value!r}: expected 'auto', " +
-                                 ", ".join(repr(p) for p in PATHS))
-            return cls(path=value)
-        raise TypeError(f"device_path must be a str or DeviceOptions, not {type(value).__name__}")
-
-
-@dataclass(frozen=True)
-class PathChoice:
-    """The path a device arena's loads take, and why. ``fallback``: GDS was wanted (auto) but is
-    not usable here."""
-
-    path: str
-    reason: str
-    fallback: bool = False
 
 
 # ---------------------------------------------------------------------------- the gds module
@@ -230,186 +179,3 @@ def _gds_verdict(st: dict[str, Any], root: Any) -> tuple[bool, str]:
         return False, f"GPUDirect Storage refused for files at {root}: {probe.get('reason')}"
     return True, (f"GPUDirect Storage usable (nvidia-fs {st['nvfs_version']}, cuFile "
                   f"{st['cufile_version']}, kvikio {st['kvikio_version']})")
-
-
-def choose_path(status: dict[str, Any], requested: str = "auto", host_engine: str = "uring") -> PathChoice:
-    """The path loads into a device arena take (see the module docs). ``status``: a
-    :func:`gds_status` dict; ``host_engine``: "uring" or "posix", the tier's host engine.
-    Raises ValueError when a forced path cannot work here (the gds engine does not load)."""
-    if requested in ("gds", "kvikio-compat"):
-        if not status["importable"]:
-            raise ValueError(f"device_path={requested!r}, but the gds engine is unavailable: "
-                             f"{status['reason']}")
-        if requested == "gds":
-            return PathChoice("gds", status["reason"] if status["usable"]
-                              else f"requested, though {status['reason']}")
-        return PathChoice("kvikio-compat", "requested: kvikio's compatibility mode (POSIX reads + copies)")
-    if requested == "bounce":
-        return PathChoice("bounce", f"requested: the {host_engine} engine into pinned host memory + copies")
-    if requested != "auto":
-        raise ValueError(f"unknown device_path {requested!r}: expected 'auto', " + ", ".join(map(repr, PATHS)))
-    if status["usable"]:
-        return PathChoice("gds", status["reason"])
-    why = status["reason"]
-    if host_engine == "uring":
-        return PathChoice("bounce", f"{why}; loads take io_uring into a pinned bounce arena, then "
-                                    "host-to-device copies overlapped per chunk", True)
-    if status["importable"] and status["cuda_devices"]:
-        return PathChoice("kvikio-compat", f"{why}; io_uring is unavailable, so loads take kvikio's "
-                                           "compatibility mode (POSIX reads + copies)", True)
-    return PathChoice("bounce", f"{why}; loads take the posix engine into a pinned bounce arena, then "
-                                "host-to-device copies", True)
-
-
-# ---------------------------------------------------------------------------- engines
-
-class GdsPathEngine:
-    """The gds engine plus the tier's former host engine (kept idle; shut down with it)."""
-
-    def __init__(self, gds: Any, host_engine: Any) -> None:
-        self.gds = gds
-        self.host_engine = host_engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.gds, name)
-
-    def shutdown(self) -> None:
-        self.gds.shutdown()
-        self.host_engine.shutdown()
-
-
-class TorchCopier:
-    """The bounce path's copier (see :class:`pykvtier.bounce.Copier`) for a CUDA torch tensor:
-    copies on a side stream of the tensor's device, one CUDA event per marked copy (per chunk)."""
-
-    def __init__(self, device_tensor: Any) -> None:
-        import torch
-
-        self._torch = torch
-        if not device_tensor.is_contiguous():
-            raise ValueError("device arena is not contiguous")
-        self.device = device_tensor.device
-        self._dev = device_tensor.reshape(-1).view(torch.uint8)
-        self._dev_base = int(device_tensor.data_ptr())
-        self._dev_len = self._dev.numel()
-        self.stream = torch.cuda.Stream(device=self.device)
-        self._host: Any = None
-        self._host_base = 0
-
-    def alloc_host(self, nbytes: int) -> tuple[int, Any]:
-        t = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
-        if t.data_ptr() % 4096:  # cudaHostAlloc memory is page-aligned; be sure anyway
-            t = self._torch.empty(nbytes + 4096, dtype=self._torch.uint8, pin_memory=True)
-        self._host, self._host_base = t, int(t.data_ptr())
-        return self._host_base + (-self._host_base) % 4096, t
-
-    def _views(self, dev_addr: int, host_addr: int, n: int) -> tuple[Any, Any]:
-        d, h = dev_addr - self._dev_base, host_addr - self._host_base
-        if not (0 <= d and d + n <= self._dev_len and 0 <= h and h + n <= self._host.numel()):
-            raise ValueError(f"copy of {n} bytes outside the arenas (device offset {d}, host offset {h})")
-        return self._dev[d:d + n], self._host[h:h + n]
-
-    def fence(self) -> Any:
-        ev = self._torch.cuda.Event()
-        ev.record(self._torch.cuda.current_stream(self.device))
-        return ev
-
-    def _marked(self, mark: bool) -> Any:
-        if not mark:
-            return None
-        ev = self._torch.cuda.Event()
-        ev.record(self.stream)
-        return ev
-
-    def h2d(self, dst: int, src: int, nbytes: int, mark: bool = True) -> Any:
-        dev, host = self._views(dst, src, nbytes)
-        with self._torch.cuda.stream(self.stream):
-            dev.copy_(host, non_blocking=True)
-            return self._marked(mark)
-
-    def d2h(self, dst: int, src: int, nbytes: int, after: Any = None, mark: bool = True) -> Any:
-        dev, host = self._views(src, dst, nbytes)
-        with self._torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            host.copy_(dev, non_blocking=True)
-            return self._marked(mark)
-
-    def done(self, token: Any) -> bool:
-        return token is None or bool(token.query())
-
-    def wait(self, token: Any) -> None:
-        if token is not None:
-            token.synchronize()
-
-
-@dataclass
-class _Hooks:
-    """What attach_device_arena uses; tests replace these to run without a GPU."""
-
-    status: Callable[..., dict] = gds_status
-    make_gds: Callable[..., Any] | None = None  # (io_threads, compat, verify) -> engine
-    make_copier: Callable[[Any], Any] | None = None  # (arena) -> copier
-    announced: set = field(default_factory=set)
-
-
-hooks = _Hooks()
-
-
-def _default_make_gds(io_threads: int, compat: str, verify: str) -> Any:
-    module, reason = load_gds_module()
-    if module is None:
-        raise ValueError(f"the gds engine is unavailable: {reason}")
-    return module.GdsEngine(io_threads=io_threads, compat=compat, verify=verify)
-
-
-def _default_make_copier(arena: Any) -> Any:
-    return TorchCopier(arena.owner)
-
-
-def _announce(root: str, choice: PathChoice) -> None:
-    key = (root, choice.path, choice.reason)
-    if key in hooks.announced:
-        return
-    hooks.announced.add(key)
-    level = logging.WARNING if choice.fallback else logging.INFO
-    logger.log(level, "pykvtier: loads into GPU memory at %s take the %s path: %s", root, choice.path,
-               choice.reason)
-
-
-def attach_device_arena(tier: Any, arena: Any, options: Any = None) -> PathChoice:
-    """Points ``tier`` at a device ``arena``: picks the path, builds its engine in place of the
-    tier's host engine (which it keeps, for a later arena), registers the arena, and says once in
-    the log which path loads take and why. Called by :meth:`DiskTier.set_arena`; the tier has no
-    job in flight then. Evictions still in flight in the old engine are finished first."""
-    opts = DeviceOptions.of(options if options is not None else getattr(tier, "_device_options", "auto"))
-    old = tier._engine
-    host = getattr(old, "host_engine", old)
-    old.drain()
-    for eid, _op, results, *_ in old.poll():  # only the tier's evictions can be here
-        tier._finish_eviction(eid, results)
-    host_name = "posix" if type(host).__name__ == "PosixEngine" else "uring"
-    status = hooks.status(tier.layout.blocks_dir)
-    choice = choose_path(status, opts.path, host_name)
-    if old is not host:  # a device arena before: retire its engine, keep the host engine
-        if isinstance(old, BounceEngine):
-            old.detach()
-        else:
-            old.gds.shutdown()
-    if choice.path == "bounce":
-        copier = (hooks.make_copier or _default_make_copier)(arena)
-        engine: Any = BounceEngine(host, copier, tier.block_size_bytes, bounce_slots=opts.bounce_slots,
-                                   chunk_blocks=opts.chunk_blocks)
-        tier.engine_name = f"bounce+{host_name}"
-    else:
-        compat = "on" if choice.path == "kvikio-compat" else ("off" if opts.path == "gds" else "auto")
-        gds = (hooks.make_gds or _default_make_gds)(opts.io_threads, compat, opts.verify)
-        host.unregister_buffers()
-        engine = GdsPathEngine(gds, host)
-        engine.register_buffer(arena.addr, arena.nbytes)
-        tier.engine_name = choice.path
-    tier._engine = engine
-    tier.device_path = choice
-    _announce(str(tier.layout.root), choice)
-    return choice
-

@@ -26,6 +26,7 @@ from typing import Any
 
 from . import _native
 from .buffers import Arena, as_arena
+from .engines import Op, make_host_engine
 from .layout import (
     HEADER_BYTES,
     QUARANTINE_MAX_FILES,
@@ -36,7 +37,6 @@ from .layout import (
     key_digest,
     lock_root,
 )
-from .posix_engine import PosixEngine
 from .probe import ExistenceProbe
 
 __all__ = ["DiskTier", "JobResult", "LookupResult", "TransferJob"]
@@ -155,19 +155,6 @@ def _describe(res: int) -> str:
     return f"{errno.errorcode.get(-res, str(-res))}: {os.strerror(-res)}"
 
 
-def _make_engine(name: str, queue_depth: int, max_inflight_bytes: int) -> Any:
-    if name == "posix":
-        return PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
-    try:
-        return _native.Engine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
-                              workers=1)
-    except ValueError as exc:  # io_uring refused (old kernel, seccomp, io_uring_disabled)
-        if name == "uring":
-            raise
-        logger.warning("pykvtier: %s; using the posix engine (preadv/pwritev thread pool)", exc)
-        return PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
-
-
 def _as_int(v: Any, what: str) -> int:
     """An integer (int, numpy integer...), never a float, str or bool; TypeError otherwise."""
     if isinstance(v, bool):
@@ -191,23 +178,6 @@ def _undo_on_failure(init: Any) -> Any:
             raise
 
     return wrapper
-
-
-_FILE_MODE_ENGINES: dict[type, bool] = {}
-
-
-def _file_mode_kw(engine: Any, file_mode: int) -> dict[str, int]:
-    """{"file_mode": file_mode} for an engine whose submit() takes it (the io_uring and posix
-    engines, the bounce engine), else {} (the GDS path engine: its files get kvikio's mode)."""
-    t = type(engine)
-    takes = _FILE_MODE_ENGINES.get(t)
-    if takes is None:
-        sub = getattr(t, "submit", None)
-        code = getattr(sub, "__code__", None)
-        takes = ("file_mode" in code.co_varnames if code is not None
-                 else "file_mode" in (getattr(sub, "__doc__", None) or ""))
-        _FILE_MODE_ENGINES[t] = takes
-    return {"file_mode": file_mode} if takes else {}
 
 
 def _as_key(key: Any) -> bytes:
@@ -389,7 +359,7 @@ class DiskTier:
             )
         if engine not in ("auto", "uring", "posix"):
             raise ValueError(f"unknown engine {engine!r}: expected 'auto', 'uring' or 'posix'")
-        from .gpu import DeviceOptions
+        from .engines.gpu import DeviceOptions
 
         self._device_options = DeviceOptions.of(device_path)
         self.device_path = None  # the pykvtier.gpu.PathChoice of a device arena
@@ -451,8 +421,7 @@ class DiskTier:
                              f"{self.layout.root}")
         self.direct = direct
 
-        self._engine = _make_engine(engine, queue_depth, max_inflight_bytes)
-        self.engine_name = "posix" if isinstance(self._engine, PosixEngine) else "uring"
+        self._host_engine = make_host_engine(engine, queue_depth, max_inflight_bytes)
         self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if shared else None
 
         self._index: dict[bytes, _Entry] = {}  # digest -> entry
@@ -492,6 +461,7 @@ class DiskTier:
         self._next_engine_job = 1
         self._arena: Arena | None = None
         self._closed = False
+        self._use_engine()
         # Temporaries named with this pid belong to a live writer if another tier of this
         # process uses the root; else they are a dead process's (pid reused) and are swept.
         self._own_pid_live = any(t.layout.root == self.layout.root for t in _open_tiers)
@@ -595,7 +565,7 @@ class DiskTier:
         arena's row (one slot per row; a row shorter than a block is a ValueError), else
         ``block_size_bytes``.
         A CUDA tensor makes a device arena: blocks move by the path of ``device_path``
-        (:func:`pykvtier.gpu.attach_device_arena`; ``self.device_path`` says which and why).
+        (:mod:`pykvtier.engines.gpu`; ``self.device_path`` says which and why).
         Raises ValueError (naming address and alignment) for misaligned or read-only memory.
         Blocks until the engine has registered (pinned) the memory: a one-time cost.
         Call only while no job is in flight."""
@@ -610,10 +580,7 @@ class DiskTier:
             raise ValueError(f"arena slots of {arena.slot_bytes} bytes are smaller than a block "
                              f"({self.block_size_bytes} bytes)")
         if arena.device != "cpu":
-            from .gpu import attach_device_arena
-
-            attach_device_arena(self, arena)
-            self._arena = arena
+            self._attach_device_arena(arena)
             return arena
         if self.device_path is not None:
             raise ValueError("this tier moves blocks to a device arena; use another DiskTier for a host arena")
@@ -639,6 +606,34 @@ class DiskTier:
             self._arena.release()  # the rings have let go of it (await_buffers)
         self._arena = arena
         return arena
+
+    def _use_engine(self, build: Any = None) -> None:
+        """The one place the tier's engine is set: the host engine, or with ``build`` (host
+        engine -> (engine, name)) a device arena's. The current engine is drained and its
+        evictions applied first; a device arena's engine is shut down before the next one is
+        built (both drive the host engine's registered buffers)."""
+        old = self.__dict__.get("_engine")
+        if old is not None:
+            old.drain()
+            self._collect()  # no caller job is in flight: only the tier's evictions
+            if old is not self._host_engine:
+                old.shutdown()
+        self._engine, name = self._host_engine, self._host_engine.name
+        if build is not None:
+            self._engine, name = build(self._host_engine)
+        self.engine_name = name
+
+    def _attach_device_arena(self, arena: Arena) -> None:
+        """Points the tier at the device ``arena`` through the path of ``device_path`` (see
+        :mod:`pykvtier.engines.gpu`); ValueError when a forced path cannot work here."""
+        from .engines.gpu import choose_device_path, device_engine
+
+        opts = self._device_options
+        choice = choose_device_path(self._host_engine, opts, self.layout.blocks_dir)
+        self._use_engine(lambda host: device_engine(host, arena, opts, choice, str(self.layout.root),
+                                                    self.block_size_bytes))
+        self.device_path = choice
+        self._arena = arena
 
     # ------------------------------------------------------------------ phase 1
 
@@ -805,7 +800,7 @@ class DiskTier:
             entries.append((self.layout.block_path(digest), self.block_size_bytes,
                             self._arena.slot_addr(int(slot)), digest))
         self._stats["loads_submitted"] += 1
-        self._dispatch(pend, "read_block", entries)
+        self._dispatch(pend, Op.READ_BLOCK, entries)
 
     def submit_store(self, job: TransferJob) -> None:
         """Stores the arena slots of ``job.keys``. Returns at once. Keys already present (or
@@ -853,18 +848,17 @@ class DiskTier:
                 entry += (self.layout.block_path(room),)
             entries.append(entry)
         self._stats["stores_submitted"] += 1
-        self._dispatch(pend, "write_block", entries)
+        self._dispatch(pend, Op.WRITE_BLOCK, entries)
 
-    def _submit(self, op: str, entries: list) -> int:
+    def _submit(self, op: Any, entries: list) -> int:
         """Hands entries to the engine as one job; returns its engine job id."""
         eid = self._next_engine_job
         self._next_engine_job += 1
         self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
-                            mem_align=self.mem_align, fsync=self.fsync,
-                            **_file_mode_kw(self._engine, self.file_mode))
+                            mem_align=self.mem_align, fsync=self.fsync, file_mode=self.file_mode)
         return eid
 
-    def _dispatch(self, pend: _Pending, op: str, entries: list) -> None:
+    def _dispatch(self, pend: _Pending, op: Any, entries: list) -> None:
         job_id = pend.job.job_id
         if not entries:
             self._ready.append(self._result(pend))
@@ -978,7 +972,7 @@ class DiskTier:
             return None
         eid = _INTERNAL_JOB + self._next_engine_job
         self._next_engine_job += 1
-        self._engine.submit(eid, "unlink", [self.layout.block_path(d) for d in digests])
+        self._engine.submit(eid, Op.UNLINK, [self.layout.block_path(d) for d in digests])
         self._evicting[eid] = digests
         return eid
 
@@ -1001,23 +995,22 @@ class DiskTier:
     def _poll(self) -> None:
         """Moves what the engine finished to self._polled (not settled yet)."""
         self._polled.extend(self._engine.poll())
-        take = getattr(self._engine, "take_leftovers", None)
-        if take is not None:  # before settling: a victim's name stays refused to stores
-            for path in take():
-                self._add_leftover(path)
+        for path in self._engine.take_leftovers():  # before settling: a victim's name stays refused
+            self._add_leftover(path)
 
     def _collect(self) -> None:
         """Settles what the engine finished (results into self._ready)."""
         self._poll()
         finished, self._polled = self._polled, []
-        for eid, _op, results, submits, _queued, transfer_s in finished:
+        for job in finished:
+            eid = job.job_id
             if eid in self._evicting:
-                self._finish_eviction(eid, results)
+                self._finish_eviction(eid, job.results)
                 pend = self._retry_after.pop(eid, None)
                 if pend is not None:
                     self._resubmit(pend)
                 continue
-            res = self._settle(self._pending.pop(eid), results, transfer_s, submits)
+            res = self._settle(self._pending.pop(eid), job.results, job.transfer_s, job.submits)
             if res is not None:
                 self._ready.append(res)
 
@@ -1078,7 +1071,7 @@ class DiskTier:
                 del self._index[v]
         if pend.victims:
             pend.victims = []
-            failures = self._engine.stats().get("recycle_failures", 0)
+            failures = self._engine.stats()["recycle_failures"]
             if failures > self._recycle_failures_seen:
                 for _ in range(failures - self._recycle_failures_seen):
                     self._warn("evicted files could be neither reused nor removed",
@@ -1126,7 +1119,7 @@ class DiskTier:
         keep: list = []
         more = False
         for item in self._polled:
-            eid, _op, results, submits, _queued, transfer_s = item
+            eid, results = item.job_id, item.results
             if eid in self._retry_after:
                 self._finish_eviction(eid, results)
                 self._resubmit(self._retry_after.pop(eid))
@@ -1137,7 +1130,7 @@ class DiskTier:
                     or not any(r in _NO_SPACE for r in results)):
                 keep.append(item)
                 continue
-            res = self._settle(self._pending.pop(eid), results, transfer_s, submits)
+            res = self._settle(self._pending.pop(eid), results, item.transfer_s, item.submits)
             if res is None:
                 more = True
             else:
@@ -1148,7 +1141,7 @@ class DiskTier:
     def _resubmit(self, pend: _Pending) -> None:
         """Writes a store's retried keys (see _retry_store) once the evictions made room."""
         try:
-            eid = self._submit("write_block", pend.entries)
+            eid = self._submit(Op.WRITE_BLOCK, pend.entries)
         except Exception as exc:  # the engine took these entries once: not expected
             logger.error("pykvtier: resubmitting a store failed: %s", exc)
             self._ready.append(self._settle(pend, [-errno.EIO] * len(pend.entries)))
@@ -1347,7 +1340,9 @@ class DiskTier:
         self._closed = True
         _open_tiers.discard(self)
         try:
-            self._engine.shutdown()
+            if self._engine is not self._host_engine:
+                self._engine.shutdown()
+            self._host_engine.shutdown()
             if self._probe is not None:
                 self._probe.close()
             if self._arena is not None:  # no I/O can touch it now: let its owner free it
@@ -1359,7 +1354,8 @@ class DiskTier:
         """Lets go of what a failed __init__ took (see _undo_on_failure); never raises."""
         self._closed = True
         _open_tiers.discard(self)
-        for name, close in (("_engine", "shutdown"), ("_probe", "close"), ("_root_lock", "release")):
+        for name, close in (("_engine", "shutdown"), ("_host_engine", "shutdown"), ("_probe", "close"),
+                            ("_root_lock", "release")):
             obj = self.__dict__.get(name)
             if obj is not None:
                 try:
@@ -1382,6 +1378,13 @@ class DiskTier:
         return self._used_bytes
 
     @property
+    def engine(self) -> Any:
+        """The engine the tier's jobs go to now (a :class:`pykvtier.engines.Engine`; its name is
+        ``engine_name``), for its ``stats()`` and ``pending_jobs()``. Read-only: the tier sets it
+        (host engine, or a device arena's); jobs submitted to it directly bypass the index."""
+        return self._engine
+
+    @property
     def num_blocks(self) -> int:
         """Blocks present (loadable now)."""
         return len(self._lru)
@@ -1394,8 +1397,8 @@ class DiskTier:
         s["engine_sqes"] = eng["sqes"]
         s["fixed_buffer_ios"] = eng["fixed_buffer_ios"]
         s["buffer_registration_failures"] = eng["buffer_registration_failures"]
-        s["files_recycled"] = eng.get("recycled", 0)
-        s["recycle_failures"] = eng.get("recycle_failures", 0)
+        s["files_recycled"] = eng["recycled"]
+        s["recycle_failures"] = eng["recycle_failures"]
         s["used_bytes"] = self._used_bytes
         s["leftover_files"] = len(self._leftovers)
         s["blocks_present"] = len(self._lru)

@@ -5,7 +5,7 @@ import ctypes
 import pytest
 
 from pykvtier import _native
-from pykvtier.engines import ForeignJobs, run_job
+from pykvtier.engines import ForeignJobs, Op, run_job
 
 
 @pytest.fixture(params=["uring", "posix"])
@@ -38,14 +38,14 @@ def test_run_job_keeps_other_jobs(engine, tmp_path):
     engine.drain()
     kept: list = []
     assert run_job(engine, "read", [(path, 0, 4096, a)], direct=False, keep=kept) == [4096]
-    assert [(j[0], list(j[2])) for j in kept] == [(7, [4096])]
+    assert [(j.job_id, j.op, list(j.results)) for j in kept] == [(7, Op.WRITE, [4096])]
 
     engine.submit(8, "write", [(path, 0, 4096, a)], direct=False)
     engine.drain()
     with pytest.raises(ForeignJobs, match=r"ids \[8\]") as info:
         run_job(engine, "read", [(path, 0, 4096, a)], direct=False)
     assert info.value.results == [4096]
-    assert [j[0] for j in info.value.jobs] == [8]
+    assert [j.job_id for j in info.value.jobs] == [8]
 
 
 def test_run_job_bad_op_raises_before_queueing(engine, tmp_path):

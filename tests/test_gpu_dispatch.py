@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from pykvtier import DiskTier, LookupResult, Promoter, TransferJob, _native, gpu
-from pykvtier.bounce import BounceEngine, HostCopier
 from pykvtier.buffers import Arena, as_arena
+from pykvtier.engines import gpu as engines_gpu
+from pykvtier.engines import STATS_KEYS, Op, run_job
+from pykvtier.engines.bounce import BounceEngine, HostCopier
 from pykvtier.layout import key_digest
 from pykvtier.posix_engine import PosixEngine
 
@@ -165,7 +167,7 @@ def write_blocks(root, n, bs=BS, seed=1):
         paths.append(p)
         digests.append(d)
         entries.append((p + ".tmp", p, bs, int(data[i].ctypes.data), d))
-    assert eng.run("write_block", entries, direct=False) == [bs] * n
+    assert run_job(eng, "write_block", entries, direct=False) == [bs] * n
     eng.shutdown()
     return paths, digests, data
 
@@ -181,26 +183,31 @@ def test_bounce_engine_round_trip_more_blocks_than_slots(root, host, aligned):
     entries = [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)]
     eng.submit(7, "read_block", entries, direct=False)
     eng.drain()
-    (jid, op, results, _submits, _queued, _xfer), = eng.poll()
-    assert (jid, op, results) == (7, "read_block", [BS] * n)
+    (job,) = eng.poll()
+    assert (job.job_id, job.op, job.results, job.submits) == (7, Op.READ_BLOCK, [BS] * n, 1)
     assert np.array_equal(dev, data)
-    st = eng.stats()
-    assert st["bounce_chunks"] == 6 and st["bounce_h2d_copies"] == n and st["bounce_slots_free"] == 3
+    st = eng.copy_stats()
+    assert st == {"chunks": 6, "h2d_copies": n, "d2h_copies": 0, "copy_failures": 0, "slots_free": 3}
     assert copier.copies == n
+    s = eng.stats()
+    assert set(s) == set(STATS_KEYS)
+    assert (s["jobs_submitted"], s["jobs_finished"], s["requests_ok"], s["bytes_read"]) == (1, 1, n, n * BS)
 
     # store from the device arena, read back through the host engine alone
     dev2 = aligned(2 * BS, fill=9).reshape(2, BS)
     out = [os.path.join(root, f"s{i}") for i in range(2)]
     dg = [key_digest(b"s0"), key_digest(b"s1")]
-    res = eng.run("write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
+    res = run_job(eng, "write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
                                   for i in range(2)], direct=False)
-    assert res == [BS, BS] and eng.stats()["bounce_d2h_copies"] == 2
+    assert res == [BS, BS] and eng.copy_stats()["d2h_copies"] == 2
     back = aligned(BS)
-    assert eng.run("read_block", [(out[1], BS, int(back.ctypes.data), dg[1])], direct=False) == [BS]
+    assert run_job(eng, "read_block", [(out[1], BS, int(back.ctypes.data), dg[1])], direct=False) == [BS]
     assert np.array_equal(back, dev2[1])
     # unlink passes through to the host engine
-    assert eng.run("unlink", [out[0], out[0] + ".missing"]) == [0, -errno.ENOENT]
-    eng.shutdown()
+    assert run_job(eng, "unlink", [out[0], out[0] + ".missing"]) == [0, -errno.ENOENT]
+    eng.shutdown()  # the host engine stays its caller's, running
+    assert run_job(h, "unlink", [out[1]]) == [0]
+    h.shutdown()
 
 
 class DeferredCopier(HostCopier):
@@ -247,22 +254,23 @@ def test_bounce_engine_waits_for_each_chunks_marked_copy(root, aligned):
     copier = DeferredCopier()
     eng = BounceEngine(_native.Engine(queue_depth=8), copier, BS, bounce_slots=6, chunk_blocks=3)
     dev = aligned(n * BS).reshape(n, BS)
-    res = eng.run("read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)],
+    res = run_job(eng, "read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)],
                   direct=False)
     assert res == [BS] * n and np.array_equal(dev, data)
     assert copier.markers == 4 and copier.copies == n and not copier.pending  # one marker per chunk
     dev2 = aligned(2 * BS, fill=11).reshape(2, BS)
     out = [os.path.join(root, f"w{i}") for i in range(2)]
     dg = [key_digest(b"w0"), key_digest(b"w1")]
-    assert eng.run("write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
+    assert run_job(eng, "write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
                                    for i in range(2)], direct=False) == [BS, BS]
     back = aligned(2 * BS).reshape(2, BS)
     h = _native.Engine(queue_depth=4)
-    assert h.run("read_block", [(out[i], BS, int(back[i].ctypes.data), dg[i]) for i in range(2)],
+    assert run_job(h, "read_block", [(out[i], BS, int(back[i].ctypes.data), dg[i]) for i in range(2)],
                  direct=False) == [BS, BS]
     assert np.array_equal(back, dev2)
     h.shutdown()
     eng.shutdown()
+    eng.host_engine.shutdown()
 
 
 def test_bounce_engine_a_copy_that_fails_late(root, aligned):
@@ -282,11 +290,12 @@ def test_bounce_engine_a_copy_that_fails_late(root, aligned):
 
     eng = BounceEngine(_native.Engine(queue_depth=8), Late(), BS, bounce_slots=2, chunk_blocks=2)
     dev = aligned(4 * BS).reshape(4, BS)
-    res = eng.run("read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)],
+    res = run_job(eng, "read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)],
                   direct=False)
     assert res == [-errno.EIO, -errno.EIO, BS, BS] and np.array_equal(dev[2:], data[2:])
-    assert eng.stats()["bounce_copy_failures"] == 1 and eng.stats()["bounce_slots_free"] == 2
+    assert eng.copy_stats()["copy_failures"] == 1 and eng.copy_stats()["slots_free"] == 2
     eng.shutdown()
+    eng.host_engine.shutdown()
 
 
 def test_bounce_engine_partial_failure_and_copy_failure(root, aligned):
@@ -301,22 +310,23 @@ def test_bounce_engine_partial_failure_and_copy_failure(root, aligned):
     eng = BounceEngine(_native.Engine(queue_depth=8), copier, BS, bounce_slots=4, chunk_blocks=4)
     dev = aligned(4 * BS).reshape(4, BS)
     entries = [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)]
-    res = eng.run("read_block", entries, direct=False)
+    res = run_job(eng, "read_block", entries, direct=False)
     assert res[:2] == [BS, BS] and res[2] == _native.ERR_CHECKSUM and res[3] == -errno.ENOENT
     assert np.array_equal(dev[:2], data[:2])
     assert copier.copies == 2  # failed blocks are not copied to the device
 
     copier.fail_next = 1
     dev[:] = 0
-    res = eng.run("read_block", entries[:2], direct=False)
-    assert res == [-errno.EIO, -errno.EIO] and eng.stats()["bounce_copy_failures"] == 1
-    assert eng.stats()["bounce_slots_free"] == 4  # slots came back
-    assert eng.run("read_block", entries[:1], direct=False) == [BS]
+    res = run_job(eng, "read_block", entries[:2], direct=False)
+    assert res == [-errno.EIO, -errno.EIO] and eng.copy_stats()["copy_failures"] == 1
+    assert eng.copy_stats()["slots_free"] == 4  # slots came back
+    assert run_job(eng, "read_block", entries[:1], direct=False) == [BS]
     with pytest.raises(ValueError, match="does not fit a bounce slot"):
         eng.submit(1, "read_block", [(paths[0], 2 * BS, int(dev[0].ctypes.data), digests[0])])
     eng.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(2, "read_block", entries[:1])
+    eng.host_engine.shutdown()
 
 
 # ------------------------------------------------------------------ DiskTier with a device arena
@@ -369,14 +379,18 @@ def test_as_arena_takes_cuda_tensors_and_arenas(aligned):
 def fake_gpu(monkeypatch):
     """Replaces the GPU parts of pykvtier.gpu: returns a setter for the status; copies are memmoves,
     the "gds engine" is the posix engine working on host memory."""
-    state = {"status": status(gds_available=False), "made_gds": []}
+    state = {"status": status(gds_available=False), "made_gds": [], "copiers": []}
 
     def make_gds(io_threads, compat, verify):
         state["made_gds"].append((io_threads, compat, verify))
         return PosixEngine(queue_depth=8)
 
-    monkeypatch.setattr(gpu, "hooks", gpu._Hooks(status=lambda root: state["status"], make_gds=make_gds,
-                                                   make_copier=lambda arena: HostCopier()))
+    def make_copier(arena):
+        state["copiers"].append(HostCopier())
+        return state["copiers"][-1]
+
+    monkeypatch.setattr(engines_gpu, "hooks", engines_gpu._Hooks(
+        status=lambda root: state["status"], make_gds=make_gds, make_copier=make_copier))
     return state
 
 
@@ -409,12 +423,14 @@ def test_tier_device_arena_takes_the_bounce_fallback_and_says_so(root, aligned, 
     with caplog.at_level(logging.INFO, logger="pykvtier"), DiskTier(root, BS, direct=False) as tier:
         keys, dst = round_trip(tier, aligned)
         assert tier.device_path.path == "bounce" and tier.device_path.fallback
-        assert tier.engine_name == "bounce+uring" and isinstance(tier._engine, BounceEngine)
+        assert tier.engine_name == "bounce+uring"
         msgs = [r for r in caplog.records if "take the bounce path" in r.getMessage()]
         assert len(msgs) == 1 and msgs[0].levelno == logging.WARNING  # once, for two arenas
         assert "nvidia-fs" in msgs[0].getMessage()
         assert not fake_gpu["made_gds"]
-        assert tier.stats()["blocks_loaded"] == 6 and tier._engine.stats()["bounce_h2d_copies"] == 6
+        assert tier.stats()["blocks_loaded"] == 6
+        # a bounce engine per arena: the store's 6 copies to pinned slots, the load's 6 back
+        assert [c.copies for c in fake_gpu["copiers"]] == [6, 6]
         # partial failure: a missing file is a per-key failure and then a MISS
         os.unlink(tier.layout.block_path(key_digest(keys[0])))
         tier.submit_load(TransferJob(3, keys[:2], [0, 1]))
@@ -432,7 +448,7 @@ def test_tier_device_arena_takes_gds_where_usable(root, aligned, fake_gpu, caplo
             DiskTier(root, BS, direct=False, device_path=gpu.DeviceOptions(io_threads=3, verify="host")) as tier:
         round_trip(tier, aligned)
         assert tier.device_path.path == "gds" and not tier.device_path.fallback
-        assert tier.engine_name == "gds" and isinstance(tier._engine, gpu.GdsPathEngine)
+        assert tier.engine_name == "gds"
         assert fake_gpu["made_gds"] == [(3, "auto", "host")] * 2  # one engine per arena
         assert any("take the gds path" in r.getMessage() and r.levelno == logging.INFO
                    for r in caplog.records)
@@ -612,13 +628,19 @@ def test_device_checksum_kernel_source_emulated_on_the_cpu(tmp_path, sanitize):
     if cxx is None:
         pytest.skip("no C++ compiler")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = open(os.path.join(repo, "csrc", "gds_verify.cu")).read()
+    import glob
+
+    (cu,) = glob.glob(os.path.join(repo, "csrc", "**", "gds_verify.cu"), recursive=True)
+    src = open(cu).read()
+    # the include dirs: every folder of csrc/ with headers (the tree's layout may change)
+    incs = sorted({os.path.dirname(h) for h in glob.glob(os.path.join(repo, "csrc", "**", "*.hpp"),
+                                                         recursive=True)} | {os.path.join(repo, "csrc")})
     src, n = re.subn(r"(\w+)<<<\s*([^,]+),\s*([^,]+),.*?>>>\(([^)]*)\);", r"pykv_launch(\1, \2, \3, \4);", src)
     assert n == 1, "the kernel launch in gds_verify.cu was not recognised"
     (tmp_path / "cuda_runtime.h").write_text(_FAKE_CUDA_RUNTIME)
     (tmp_path / "emul.cpp").write_text(src + _EMULATION_MAIN)
     flags = ["-fsanitize=thread", "-O1", "-g"] if sanitize else ["-O2"]
-    cmd = [cxx, "-std=c++20", "-pthread", *flags, "-I", str(tmp_path), "-I", os.path.join(repo, "csrc"),
+    cmd = [cxx, "-std=c++20", "-pthread", *flags, "-I", str(tmp_path), *(f"-I{d}" for d in incs),
            str(tmp_path / "emul.cpp"), "-o", str(tmp_path / "emul")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -655,8 +677,8 @@ def test_gds_engine_plumbing_without_a_gpu(tmp_path):
     f.write_bytes(b"1")
     eng.submit(5, "unlink", [str(f), str(tmp_path / "missing")])
     eng.drain()
-    (jid, op, results, *_), = eng.poll()
-    assert (jid, op, results) == (5, "unlink", [0, -errno.ENOENT]) and not f.exists()
+    (job,) = eng.poll()
+    assert (job.job_id, job.op, job.results) == (5, Op.UNLINK, [0, -errno.ENOENT]) and not f.exists()
     host = np.zeros(BS, np.uint8)
     with pytest.raises(ValueError, match="entry 0"):
         eng.submit(6, "read_block", [(str(f), BS, int(host.ctypes.data), key_digest(b"x"))])

@@ -605,7 +605,7 @@ def test_reset_cache_drains_in_flight_jobs(root, stack):
     with s.lock:
         s.m.reset_cache()  # drain_jobs(), then asserts no job is left in flight
         assert not s.m._jobs and not s.tier.has_pending_work()
-        assert all(t._engine.pending_jobs() == 0 for t in s.tier.tiers)
+        assert all(t.engine.pending_jobs() == 0 for t in s.tier.tiers)
         if hasattr(s.m, "on_reset_flushed"):  # vLLM >= 0.33 holds promotions until then
             s.m.on_reset_flushed()
     # The tier keeps its blocks across the reset (persistent store): promote again.
@@ -622,24 +622,7 @@ def _fail(what: str):
     return call
 
 
-class _NoBlocking:
-    """Wraps an engine: its blocking calls fail while ``armed``."""
-
-    BLOCKING = {"wait", "drain", "run", "await_buffers", "shutdown"}
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.armed = False
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if name in self.BLOCKING:
-            def guarded(*a, **kw):
-                if self.armed:
-                    raise AssertionError(f"lookup called the blocking engine.{name}()")
-                return attr(*a, **kw)
-            return guarded
-        return attr
+_BLOCKING = ("wait", "drain", "await_buffers", "shutdown")  # an engine's blocking calls
 
 
 def test_lookup_never_blocks(root, stack, make_tier):
@@ -662,18 +645,15 @@ def test_lookup_never_blocks(root, stack, make_tier):
     fill(arr, [key(0, b"other")], [0])
     run(other, job(1, [key(0, b"other")], [0], promotion=False))
 
-    guards = []
-    for t in tier.tiers:
-        g = _NoBlocking(t._engine)
-        t._engine = g
-        guards.append(g)
-        for name in ("wait", "drain", "shutdown"):
-            setattr(t, name, _fail(f"DiskTier.{name}()"))
-        if t._probe is not None:
-            t._probe.wait = _fail("ExistenceProbe.wait()")
-        g.armed = True
     ctx = ReqContext("probe")
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # every blocking call fails inside
+        for t in tier.tiers:
+            for name in _BLOCKING:
+                mp.setattr(type(t.engine), name, _fail(f"the blocking engine.{name}()"))
+            for name in ("wait", "drain", "shutdown"):
+                mp.setattr(t, name, _fail(f"DiskTier.{name}()"))
+            if t._probe is not None:
+                mp.setattr(t._probe, "wait", _fail("ExistenceProbe.wait()"))
         assert [tier.lookup(k, ctx) for k in stored] == [HIT] * 4
         assert [tier.lookup(k, ctx) for k in writing] == [RETRY] * 4  # being written
         assert tier.lookup(key(0, b"other"), ctx) is RETRY  # unknown here: probed
@@ -690,14 +670,6 @@ def test_lookup_never_blocks(root, stack, make_tier):
         per_new = (time.perf_counter() - t0) / n
         print(f"\nPyKVTier.lookup: {per_hit * 1e6:.2f} us per HIT, {per_new * 1e6:.2f} us per "
               f"unknown key (probe queued), {n} lookups each")
-    finally:
-        for t, g in zip(tier.tiers, guards):
-            g.armed = False
-            t._engine = g._inner
-            for name in ("wait", "drain", "shutdown"):
-                del t.__dict__[name]
-            if t._probe is not None:
-                del t._probe.__dict__["wait"]
     tier.on_schedule_end(ScheduleEndContext((), ()))  # the probes go out
     tier.drain_jobs()
     assert tier.lookup(key(0, b"other"), ctx) is HIT  # found by the probe
@@ -819,7 +791,7 @@ def test_drain_waits_for_every_copy_and_aborts_none(root, make_tier):
     for i in range(8):
         tier.submit_store(job(i, keys[i * 8:(i + 1) * 8], range(i * 8, (i + 1) * 8), False))
     tier.drain_jobs()
-    assert all(t._engine.pending_jobs() == 0 for t in tier.tiers)
+    assert all(t.engine.pending_jobs() == 0 for t in tier.tiers)
     assert len(block_files(tier)) == 64
     assert not glob.glob(f"{tier.namespace_dirs[0]}/blocks/*/*.tmp.*")
     assert sorted(r.job_id for r in tier.get_finished_jobs() if r.success) == list(range(8))

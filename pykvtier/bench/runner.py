@@ -669,7 +669,7 @@ class PromoteClone(_Clone):
             invalidate_files(self.tier.layout.block_path(key_digest(k)) for k in self.workload.population)
         self.slots = slots
         s = _Stream(self, "promote")
-        s.engine = self.tier._engine
+        s.engine = self.tier.engine
         self.streams.append(s)
         self.result.unit = "request"
 

@@ -9,9 +9,44 @@ path dispatch in ``pykvtier.engines.gpu``). Every one of them satisfies :class:`
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Engine", "ForeignJobs", "job_fields", "run_job"]
+from .. import _native
+
+__all__ = ["STATS_KEYS", "Engine", "FinishedJob", "ForeignJobs", "Op", "as_op", "make_host_engine",
+           "run_job"]
+
+logger = logging.getLogger("pykvtier")
+
+Op = _native.Op
+FinishedJob = _native.FinishedJob
+STATS_KEYS: tuple[str, ...] = tuple(_native.STATS_KEYS)
+
+
+def as_op(op: Any) -> Any:
+    """``op`` as an :data:`Op` (an ``Op`` or its lower-case name); ValueError naming it else."""
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        member = Op.__members__.get(op.upper())
+        if member is not None:
+            return member
+    raise ValueError(f"unknown op {op!r}: expected read, write, read_block, write_block or unlink")
+
+
+def make_host_engine(name: str, queue_depth: int, max_inflight_bytes: int) -> Any:
+    """A host engine: ``name`` "uring" (io_uring; ValueError where the kernel refuses it),
+    "posix" (preadv/pwritev thread pool) or "auto" (io_uring, else posix with a WARNING)."""
+    if name == "posix":
+        return _native.PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+    try:
+        return _native.Engine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+    except ValueError as exc:  # io_uring refused (old kernel, seccomp, io_uring_disabled)
+        if name == "uring":
+            raise
+        logger.warning("pykvtier: %s; using the posix engine (preadv/pwritev thread pool)", exc)
+        return _native.PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
 
 
 @runtime_checkable
@@ -45,21 +80,13 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def job_fields(job: Any) -> tuple[int, list[int]]:
-    """(job_id, results) of a polled job: a ``FinishedJob`` or a legacy 6-tuple."""
-    try:
-        return job.job_id, job.results
-    except AttributeError:
-        return job[0], job[2]
-
-
 class ForeignJobs(RuntimeError):
     """:func:`run_job` polled jobs it did not submit and was given no ``keep`` list for them.
     ``jobs``: those finished jobs (nothing is lost); ``results``: the run job's results."""
 
     def __init__(self, jobs: list, results: list[int]) -> None:
         super().__init__("run_job polled jobs it did not submit (ids "
-                         f"{[job_fields(j)[0] for j in jobs]}): pass keep=[] to collect them")
+                         f"{[j.job_id for j in jobs]}): pass keep=[] to collect them")
         self.jobs = jobs
         self.results = results
 
@@ -81,9 +108,8 @@ def run_job(engine: Engine, op: Any, entries: Sequence[tuple], *, keep: list | N
     others: list = []
     while True:
         for job in engine.poll():
-            jid, results = job_fields(job)
-            if jid == job_id:
-                results = list(results)
+            if job.job_id == job_id:
+                results = list(job.results)
                 if others and keep is None:
                     raise ForeignJobs(others, results)
                 if keep is not None:
@@ -91,3 +117,4 @@ def run_job(engine: Engine, op: Any, entries: Sequence[tuple], *, keep: list | N
                 return results
             others.append(job)
         engine.wait(None)
+
