@@ -201,7 +201,7 @@ for bad in (dict(checksum="fast"), dict(verify="header"), dict(compat="maybe"), 
     else:
         raise SystemExit(f"GdsEngine({bad}) was accepted")
 eng = gds.GdsEngine(io_threads=2, compat="on", checksum="host")
-assert (eng.name, eng.io_threads, eng.compat, eng.checksum) == ("gds", 2, "on", "host")
+assert (eng.name, eng.io_threads, eng.compat, eng.checksum, eng.verify) == ("gds", 2, "on", "host", "host")
 f = os.path.join(sys.argv[2], "unlink-me")
 open(f, "wb").close()
 op = getattr(_native, "Op", None)

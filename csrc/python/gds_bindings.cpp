@@ -147,5 +147,7 @@ Entries and results as every engine (pykvtier.engines): results per entry are by
   cls.def("last_error", &GdsEngine::last_error, "The last error text (kvikio / CUDA), for diagnostics.")
       .def_property_readonly("io_threads", [](GdsEngine& e) { return e.config().io_threads; })
       .def_property_readonly("checksum", [](GdsEngine& e) { return std::string(checksum_name(e.config().checksum)); })
-      .def_property_readonly("compat", [](GdsEngine& e) { return std::string(compat_name(e.config().compat)); });
+      .def_property_readonly("compat", [](GdsEngine& e) { return std::string(compat_name(e.config().compat)); })
+      .def_property_readonly("verify", [](GdsEngine& e) { return std::string(checksum_name(e.config().checksum)); },
+                             "checksum's former name (until every caller reads checksum).");
 }
