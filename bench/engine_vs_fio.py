@@ -6,7 +6,8 @@ Reads N files of B bytes each (one block per file, raw data, no header) with
   * fio           ioengine=io_uring, direct=1, bs=B, iodepth=QD over the N files
                   (the reference, "the device limit")
   * fio+fixedbufs the same with fio's fixedbufs=1 (pre-registered buffers), for information
-  * engine+fixed  pykvtier._native.Engine.run("read", ...), O_DIRECT, into one host buffer
+  * engine+fixed  pykvtier._native.Engine, one Op.READ job per block, iodepth jobs in flight
+                  (pykvtier.bench.runner.submit_each), O_DIRECT, into one host buffer
                   registered once with register_buffer() (READ_FIXED)  -- the headline
   * engine        the same without registered buffers
 
@@ -22,16 +23,16 @@ segment per 2 MiB page instead of 512), so comparing a THP-backed numpy array ag
 4 KiB malloc buffers would credit the engine with what the memory did.
 
 Per run and as medians: GB/s (1e9 B/s), IOPS, CPU seconds per GiB (usr+sys), latency
-(fio: per-block clat p50/p99 from its JSON; engine: per block, from its SQEs being prepared to its result),
+(fio: per-block clat p50/p99 from its JSON; engine: per block, the job's submit to result),
 and the ratios pykvtier/fio against the targets:
 bandwidth >= 0.9x fio, CPU/GiB <= 1.5x fio.
 
 CPU accounting
-  engine: getrusage(RUSAGE_SELF) delta around the run() call only (RUSAGE_SELF, not
-          RUSAGE_THREAD, so that io_uring's io-wq / sqpoll kernel workers, which belong
-          to this process's thread group, are counted too). Each engine does one untimed
-          warm-up run first (its ring and fixed-buffer registration are created lazily
-          inside the first run() on a thread); that set-up cost is printed separately.
+  engine: getrusage(RUSAGE_SELF) delta around the timed jobs only (RUSAGE_SELF, not
+          RUSAGE_THREAD, so that the engine's thread and io_uring's io-wq / sqpoll kernel
+          workers, which belong to this process's thread group, are counted too). Each
+          engine does one untimed 1-block warm-up job first; its cost is printed
+          separately.
   fio:    fio's own usr_cpu/sys_cpu (percent of the job's runtime, measured by fio with
           getrusage(RUSAGE_SELF) in the forked job process, so io-wq workers count too),
           i.e. the I/O phase only -- the like-for-like figure used for the ratio. Also
@@ -310,13 +311,14 @@ class EngineBench:
         return [(p, 0, B, base + i * B) for i, p in enumerate(self.paths)]
 
     def _warm_up(self, variant: str) -> dict:
-        """One 1-block run, untimed for the results: the engine builds the calling thread's ring
-        and registers the fixed buffers lazily inside the first run(); report that cost."""
+        """One 1-block job, untimed for the results (the engine's first job); report its cost."""
+        from pykvtier.engines import run_job
+
         eng, mem = self.engines[variant]
         req = self._requests(mem)[:1]
         c0 = rusage_cpu(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
-        res = eng.run("read", req, direct=True)
+        res = run_job(eng, self.native.Op.READ, req, direct=True)
         out = {"wall_ms": (time.perf_counter() - t0) * 1e3,
                "cpu_ms": (rusage_cpu(resource.RUSAGE_SELF) - c0) * 1e3}
         if res[0] != self.args.block_size:
@@ -324,6 +326,8 @@ class EngineBench:
         return out
 
     def run(self, variant: str, dev: DevStat) -> dict:
+        from pykvtier.bench.runner import submit_each
+
         eng, mem = self.engines[variant]
         buf = self.bufs[mem][1]
         reqs = self._requests(mem)
@@ -334,7 +338,7 @@ class EngineBench:
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         rt0 = resource.getrusage(resource.RUSAGE_THREAD)
         t0 = time.perf_counter()
-        res, lat_s = eng.run("read", reqs, direct=True, latencies=True)
+        res, lat_s = submit_each(eng, self.native.Op.READ, reqs, self.args.iodepth, direct=True)
         wall = time.perf_counter() - t0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         rt1 = resource.getrusage(resource.RUSAGE_THREAD)
@@ -361,8 +365,8 @@ class EngineBench:
             "stats_delta": _delta(s0, s1),
             **ds,
         }
-        # Per-block latency: from the block's SQEs being prepared to its result (as fio's clat
-        # measures from submission to completion).
+        # Per-block latency: the block's job from submit to result (as fio's clat measures
+        # from submission to completion).
         ms = sorted(x * 1e3 for x in lat_s)
         out["p50_ms"] = ms[len(ms) // 2]
         out["p99_ms"] = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
@@ -634,9 +638,9 @@ def _run(args, d, mnt, fstype, src, native, native_err, bases, variants, mems, t
             print(f"  engine: Engine({', '.join(f'{k}={v}' for k, v in eb.engine_kwargs.items())}), "
                   f"probe_direct={eb.probe}")
             for v, s in eb.setup.items():
-                print(f"          {v}: first run() (1 block, builds the ring{', registers the buffer' if '+fixed' in v else ''})"
+                print(f"          {v}: first job (1 block{', into the registered buffer' if '+fixed' in v else ''})"
                       f" {s['wall_ms']:.1f} ms, {s['cpu_ms']:.1f} ms CPU -- untimed warm-up")
-        print("  CPU   : engine = getrusage(RUSAGE_SELF) delta around run(); fio = its own usr_cpu+sys_cpu "
+        print("  CPU   : engine = getrusage(RUSAGE_SELF) delta around the jobs; fio = its own usr_cpu+sys_cpu "
               "(I/O phase); 'whole fio process' = getrusage(RUSAGE_CHILDREN) around fio, start-up included")
         print("  dev reqs/block: read requests the block device completed per block (/sys/dev/block/*/stat)",
               flush=True)
@@ -668,7 +672,7 @@ def _run(args, d, mnt, fstype, src, native, native_err, bases, variants, mems, t
 
         summary = summarize(runs, variants)
         print(f"\nmedians over {args.rounds} rounds ({args.blocks} x {fmt_size(args.block_size)}, QD {args.iodepth}; "
-              f"GB = 1e9 B; latency per block: fio clat, engine SQE prepared -> result)")
+              f"GB = 1e9 B; latency per block: fio clat, engine job submit -> result)")
         print(header() + "   GB/s min..max")
         for v in variants:
             if v in summary["medians"]:

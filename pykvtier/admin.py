@@ -433,17 +433,17 @@ def _read_blocks(blocks: list[_BlockFile], block_size: int, *, direct: bool, eng
     """Reads and verifies every block through an engine: jobs of ``batch`` read_block entries
     into a page-aligned host arena, ``jobs_in_flight`` at a time. Returns (one result per
     block, the engine's name)."""
+    from . import _native
     from .buffers import host_arena
+    from .engines import make_host_engine
     from .layout import HEADER_BYTES
-    from .posix_engine import PosixEngine
-    from .engines import make_host_engine as _make_engine
 
     slot = -(-block_size // _PAGE) * _PAGE
     per_job = max(1, min(batch, _ARENA_BYTES // slot // jobs_in_flight))
     arena = host_arena(per_job * jobs_in_flight, slot)
     addr = arena.ctypes.data
-    eng = _make_engine(engine, 64, max(256 << 20, 2 * (slot + HEADER_BYTES)))
-    name = "posix" if isinstance(eng, PosixEngine) else "uring"
+    eng = make_host_engine(engine, 64, max(256 << 20, 2 * (slot + HEADER_BYTES)))
+    name = eng.name
     results: list[int] = [0] * len(blocks)
     try:
         eng.register_buffer(addr, arena.nbytes)
@@ -461,12 +461,12 @@ def _read_blocks(blocks: list[_BlockFile], block_size: int, *, direct: bool, eng
                 entries = [(blocks[i].path, block_size, base + j * slot, blocks[i].digest)
                            for j, i in enumerate(idx)]
                 job_id += 1
-                eng.submit(job_id, "read_block", entries, direct=direct, align=_PAGE, mem_align=_PAGE)
+                eng.submit(job_id, _native.Op.READ_BLOCK, entries, direct=direct, align=_PAGE, mem_align=_PAGE)
                 inflight[job_id] = (group, idx)
             eng.wait(None)
-            for done_id, _op, res, *_ in eng.poll():
-                group, idx = inflight.pop(done_id)
-                for i, r in zip(idx, res):
+            for job in eng.poll():
+                group, idx = inflight.pop(job.job_id)
+                for i, r in zip(idx, job.results):
                     results[i] = r
                 free.append(group)
                 progress(len(idx))
@@ -493,7 +493,7 @@ def fsck(root: str | os.PathLike, *, repair: bool = False, progress: bool = Fals
     (the quarantine keeps at most QUARANTINE_MAX_FILES, as a tier's: the oldest entries go
     first), ``temporaries``, ``other_files`` (names that are none of the tier's: not
     touched), ``clean`` (no problem found). Raises AdminError, RootLockedError."""
-    from .tier import _describe
+    from ._native import result_text
 
     path = _open_root(root)
     with _locked(path, shared=not repair):
@@ -550,7 +550,7 @@ def fsck(root: str | os.PathLike, *, repair: bool = False, progress: bool = Fals
                     why, detail = "length", (f"file is {b.size} bytes, a block of this root "
                                              f"{block_size + HEADER_BYTES}")
                 else:
-                    detail = _describe(res) if res < 0 else f"{res} payload bytes read"
+                    detail = result_text(res) if res < 0 else f"{res} payload bytes read"
                 if why == "ok":
                     out["ok"] += 1
                 elif why == "vanished":

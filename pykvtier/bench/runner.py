@@ -6,20 +6,22 @@ files are laid out (fio's "Laying out IO files"), KV populations are stored, eve
 built its ring and registered its buffers (one untimed 1-I/O warm-up per stream), and the
 files' cached pages are dropped (``invalidate=1``).
 
-**File I/O** goes through the engine's batch call, as pykvtier itself uses it:
-``Engine.run(op, entries, latencies=True)`` keeps ``iodepth`` I/Os in flight (the engine's
-queue depth) over a batch of entries, each I/O opening its file, moving its bytes and closing
-the file inside the ring; the GIL is released while the kernel works. Batches are large (up to
-16384 I/Os, or about a second of I/O when a runtime is set), so the ring drains only between
-batches. rw/randrw run reads and writes as two streams at once, ``iodepth`` split between them
-by ``rwmixread``.
+**File I/O** goes through the engine's job interface (``submit`` / ``wait`` / ``poll``, as
+DiskTier drives it) with raw ``Op.READ`` / ``Op.WRITE`` requests: :func:`submit_each` keeps
+``iodepth`` jobs of one I/O each in flight (each I/O opening its file, moving its bytes and
+closing the file in the engine); the GIL is released while the stream waits. Batches are
+large (up to 16384 I/Os, or about a second of I/O when a runtime is set), so the queue drains
+only between batches. rw/randrw run reads and writes as two streams at once, each with its own
+engine, ``iodepth`` split between them by ``rwmixread``.
 
-**Latency** (clat) is the engine's per-I/O time from its SQEs being prepared to its result,
-i.e. fio's ``lat`` (submission + completion); pykvtier has no separate slat.
+**Latency** (clat) is the engine's per-job time from submit to its result (``queued_s +
+transfer_s`` of the finished job: one I/O per job), i.e. fio's ``lat`` (submission +
+completion); pykvtier has no separate slat.
 
 **CPU** (usr/sys) is getrusage over the measured phase: ``RUSAGE_SELF`` when the group has one
-stream (so io_uring's io-wq workers count, as they do in fio's figure), else each stream's
-``RUSAGE_THREAD`` plus an equal share of the rest of the process's CPU over the group.
+stream (so the engine's threads and io_uring's io-wq workers count, as they do in fio's
+figure), else each stream's ``RUSAGE_THREAD`` plus an equal share of the rest of the process's
+CPU (the engines' threads among it) over the group.
 rw=lookup measures CPU over exactly the intervals its runtime adds up (the timed lookups;
 checking the answers and, for lookup=probed, setting up each pass's tier are left out of
 both), so usr/sys are, as in fio, percentages of the job's runtime: 100 % = one CPU busy for
@@ -60,6 +62,7 @@ __all__ = [
     "CloneResult",
     "GroupResult",
     "run_jobs",
+    "submit_each",
     "CHUNK_MAX",
 ]
 
@@ -117,7 +120,7 @@ def make_engine(engine: str, queue_depth: int, bs: int):
         # store_share=1: a bench stream is one direction, and iodepth writes mean iodepth writes
         # (DiskTier keeps half the ring for loads; that priority rule is not what fio measures)
         return _native.Engine(queue_depth=queue_depth, max_inflight_bytes=max(queue_depth * bs, bs),
-                              workers=1, store_share=1.0), "uring"
+                              store_share=1.0), "uring"
     except ValueError as e:
         raise EngineUnavailable(f"pykvtier-uring unavailable: {e} (try ioengine=pykvtier-posix)") from None
 
@@ -235,12 +238,32 @@ def _ru_add(acc: dict, start: tuple, end: tuple) -> None:
 def _errtext(res: int) -> str:
     from .. import _native
 
-    names = {_native.ERR_SHORT: "short read/write", _native.ERR_BAD_HEADER: "bad block header",
-             _native.ERR_KEY_MISMATCH: "block of another key", _native.ERR_LENGTH: "block length",
-             _native.ERR_CHECKSUM: "payload checksum mismatch"}
-    if res in names:
-        return names[res]
-    return f"{_errno.errorcode.get(-res, str(-res))} ({os.strerror(-res)})"
+    return _native.result_text(res)
+
+
+def submit_each(engine: Any, op: Any, entries: list[tuple], depth: int,
+                **submit_kw: Any) -> tuple[list[int], np.ndarray]:
+    """Each of ``entries`` as a job of its own on ``engine`` (which this thread alone polls),
+    ``depth`` jobs in flight, until all finished. Returns (results: one int per entry, bytes
+    moved or -errno; latencies: float64 seconds per entry, submit to result as the engine
+    timed it). ``submit_kw``: the engine's submit keywords. Raises what ``submit`` raises."""
+    n = len(entries)
+    results = [0] * n
+    lat = np.zeros(n, dtype=np.float64)
+    submitted = finished = 0
+    while finished < n:
+        while submitted < n and submitted - finished < depth:
+            engine.submit(submitted, op, [entries[submitted]], **submit_kw)
+            submitted += 1
+        jobs = engine.poll()
+        if not jobs:
+            engine.wait(None)
+            continue
+        for job in jobs:
+            results[job.job_id] = job.results[0]
+            lat[job.job_id] = job.queued_s + job.transfer_s
+        finished += len(jobs)
+    return results, lat
 
 
 class _Clone:
@@ -370,12 +393,14 @@ class IoClone(_Clone):
             self.streams.append(s)
 
     def warm_up(self, stream: _Stream) -> None:
-        # The engine builds the calling thread's ring (and registers the buffers) lazily in its
-        # first run(): one untimed 1-I/O read, as bench/engine_vs_fio.py does.
+        # One untimed 1-I/O read: the engine's first job (its ring or threads at work, the
+        # registered buffers in use), as bench/engine_vs_fio.py does.
+        from .. import _native
+        from ..engines import run_job
+
         t0 = time.perf_counter()
-        res = stream.engine.run("read", [(self.files.paths[0], 0, self.files.bs, stream.base)],
-                                direct=self.spec.values["direct"], align=self.align,
-                                mem_align=self.mem_align)
+        res = run_job(stream.engine, _native.Op.READ, [(self.files.paths[0], 0, self.files.bs, stream.base)],
+                      direct=self.spec.values["direct"], align=self.align, mem_align=self.mem_align)
         stream.setup_ms = (time.perf_counter() - t0) * 1e3
         if res[0] != self.files.bs:
             raise RuntimeError(f"warm-up read of {self.files.paths[0]} failed: {_errtext(res[0])}")
@@ -420,6 +445,9 @@ class IoClone(_Clone):
         time_based = v["time_based"]
         loops = v["loops"]
         op = stream.op
+        from .. import _native
+
+        io_op = _native.Op.READ if op == "read" else _native.Op.WRITE
         ramp_end = self.ramp_end()
         measuring = v["ramp_time"] == 0
         if measuring:
@@ -473,8 +501,8 @@ class IoClone(_Clone):
                 addrs = [stream.base + ((slot + i) % stream.slots) * bs for i in range(n)]
                 slot = (slot + n) % stream.slots
             entries = [(paths[fi], oi, bs, a) for fi, oi, a in zip(f.tolist(), o.tolist(), addrs)]
-            res, lat = eng.run(op, entries, direct=direct, align=self.align, mem_align=self.mem_align,
-                               latencies=True)
+            res, lat = submit_each(eng, io_op, entries, stream.qd, direct=direct,
+                                   align=self.align, mem_align=self.mem_align)
             t1 = time.perf_counter()
             bad = [i for i, r in enumerate(res) if r != bs]
             if bad:
@@ -505,7 +533,7 @@ class IoClone(_Clone):
             if measuring:
                 stream.stats.io_bytes += n * bs
                 stream.stats.ios += n
-                stream.stats.lat_ns.append(np.asarray(lat, dtype=np.float64) * 1e9)
+                stream.stats.lat_ns.append(lat * 1e9)
                 stream.m_end = t1
             elif t1 >= ramp_end:
                 measuring = True
@@ -552,6 +580,8 @@ class IoClone(_Clone):
 
     def _verify_written(self) -> None:
         """fio's verify phase of a write job: read back every block written and compare."""
+        from .. import _native
+
         s = next(x for x in self.streams if x.op == "write")
         ids = np.unique(np.concatenate(self.written))
         bs, bpf, paths = self.files.bs, self.files.blocks_per_file, self.files.paths
@@ -561,8 +591,8 @@ class IoClone(_Clone):
             s.buf[:len(chunk) * bs] = 0
             entries = [(paths[int(i) // bpf], (int(i) % bpf) * bs, bs, s.base + k * bs)
                        for k, i in enumerate(chunk)]
-            res = s.engine.run("read", entries, direct=self.spec.values["direct"], align=self.align,
-                               mem_align=self.mem_align)
+            res, _ = submit_each(s.engine, _native.Op.READ, entries, s.qd,
+                                 direct=self.spec.values["direct"], align=self.align, mem_align=self.mem_align)
             for k, (e, r) in enumerate(zip(entries, res)):
                 if r != bs:
                     self.fail(None, _errno.EIO, f"verify: reading back {e[0]} at offset {e[1]}: {_errtext(r)}")
