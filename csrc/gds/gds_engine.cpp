@@ -270,20 +270,18 @@ std::pair<uint64_t, uint64_t> GdsEngine::base_and_offset(uint64_t addr, uint64_t
 
 void GdsEngine::submit(std::unique_ptr<Job> job) {
   job->submit_time = monotonic_seconds();
-  size_t n = 0;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!admit_locked(*job)) return;
-    auto p = std::make_unique<Pending>();
-    p->checks.resize(job->op == Op::ReadBlock ? job->reqs.size() : 0);
-    p->job = std::move(job);
-    Pending* raw = p.get();
-    n = raw->job->reqs.size();
-    auto& q = op_is_write(raw->job->op) ? stores_ : loads_;
-    for (uint32_t i = 0; i < n; ++i) q.push_back({raw, i});
-    pending_.emplace(raw, std::move(p));
-  }
-  for (size_t i = 0; i < n; ++i) pool_.detach_task([this] { run_next(); });
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!admit_locked(*job)) return;
+  auto p = std::make_unique<Pending>();
+  p->checks.resize(job->op == Op::ReadBlock ? job->reqs.size() : 0);
+  p->job = std::move(job);
+  Pending* raw = p.get();
+  auto& q = op_is_write(raw->job->op) ? stores_ : loads_;
+  for (uint32_t i = 0; i < raw->job->reqs.size(); ++i) q.push_back({raw, i});
+  pending_.emplace(raw, std::move(p));
+  // (under mu_: a shutdown() that begins after admit_locked finds these tasks in the pool; its
+  // tasks take mu_ only once running, never while the pool holds its own lock)
+  for (size_t i = 0; i < raw->job->reqs.size(); ++i) pool_.detach_task([this] { run_next(); });
 }
 
 // One task of the pool per queued request, so there is one queued when it runs: the first load,
