@@ -1,5 +1,5 @@
 // Device-side payload checksums for the gds engine: XXH3-64 of many device buffers in one kernel
-// launch (gds_verify.cu, built when CMake has a CUDA compiler: PYKVTIER_DEVICE_VERIFY=1).
+// launch (gds/gds_verify.cu, built when CMake has a CUDA compiler: PYKVTIER_DEVICE_VERIFY=1).
 #pragma once
 
 #include <cstdint>
