@@ -15,15 +15,21 @@
 # pykvtier._gds with the repository's .venv python (its pykvtier._native must be built from the
 # same tree; that python must be the venv's version): status(), refused arguments, an unlink job
 # through the engine interface. That runs without a GPU (cudart loads the driver lazily).
+# --tests instead builds the whole package with CMake (the venv's python, the wheels' toolkit as
+# CUDAToolkit_ROOT; the venv needs cffi, numpy and pytest too) and runs tests/test_gpu_dispatch.py
+# and tests/test_doctor.py against the built modules beside a copy of pykvtier/ (where the gds
+# engine's own tests then run instead of skipping).
 # Env: CXX (g++), OUT (a scratch folder; default a new temporary one), GDS_CMAKELISTS (read the
 # gds target from another CMakeLists.txt), PYKVTIER_PYTHON (the python of --link's import),
 # PYKVTIER_NATIVE (a pykvtier._native .so built elsewhere, e.g. a cmake build folder's, to import
 # instead of the installed one; same pybind11 version as the venv's, whose types _gds shares).
 set -uo pipefail
 
-VENV=${1:?usage: gds_compile_check.sh VENV [--link]}
+VENV=${1:?usage: gds_compile_check.sh VENV [--link | --tests]}
 LINK=0
+TESTS=0
 [[ ${2:-} == --link ]] && LINK=1
+[[ ${2:-} == --tests ]] && TESTS=1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CXX=${CXX:-g++}
 PY="$VENV/bin/python"
@@ -232,6 +238,23 @@ EOF
       echo "gds_compile_check: FAILED: import / smoke run of the linked module" >&2
       fail=1
     fi
+  fi
+fi
+
+if ((TESTS && !fail)); then
+  run cmake -S "$REPO" -B "$OUT/build" -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
+    -DCUDAToolkit_ROOT="$CUDA" >"$OUT/cmake.log" 2>&1 || { tail -20 "$OUT/cmake.log"; fail=1; }
+  grep "pykvtier: gds engine" "$OUT/cmake.log"
+  if ((!fail)) && ! run cmake --build "$OUT/build" -j"$(nproc)" >>"$OUT/cmake.log" 2>&1; then
+    grep -B2 -A8 "error" "$OUT/cmake.log" | head -60
+    fail=1
+  fi
+  if ((!fail)); then
+    mkdir -p "$OUT/tree"
+    cp -r "$REPO/pykvtier" "$REPO/tests" "$REPO/pyproject.toml" "$OUT/tree/"
+    ln -sfn "$REPO/csrc" "$OUT/tree/csrc"
+    cp "$OUT"/build/_*.so "$OUT/tree/pykvtier/"
+    (cd "$OUT/tree" && run "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_dispatch.py tests/test_doctor.py) || fail=1
   fi
 fi
 
