@@ -48,14 +48,9 @@ except ImportError:
 from pykvtier import DiskTier, TransferJob, gpu  # noqa: E402
 from pykvtier.buffers import Arena  # noqa: E402
 from pykvtier.layout import key_digest  # noqa: E402
+from pykvtier.toolkit import parse_size  # noqa: E402
 
 PATHS_ALL = ("gds", "gds-nover", "kvikio-compat", "bounce", "host", "kvikio-ref")
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
 class Env:

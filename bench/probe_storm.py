@@ -64,15 +64,10 @@ from pykvtier import DiskTier, LookupResult, TransferJob  # noqa: E402
 from pykvtier.bench.sysutil import ColdCache, default_bench_dir, mount_of  # noqa: E402
 from pykvtier.buffers import host_arena  # noqa: E402
 from pykvtier.layout import key_digest  # noqa: E402
+from pykvtier.toolkit import parse_size  # noqa: E402
 
 OLD_REF = "150a034"  # the last commit before the batch prepare/reap in C
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
 # ----------------------------------------------------------------------------- the old path

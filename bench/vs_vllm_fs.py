@@ -62,14 +62,9 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
 from pykvtier.bench.sysutil import ColdCache, default_bench_dir, mount_of, rusage_cpu  # noqa: E402
+from pykvtier.toolkit import parse_size  # noqa: E402
 
 GiB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
 def fmt_size(n: int) -> str:

@@ -245,67 +245,38 @@ class ReplaySummary:
 
 
 class _Progress:
-    """tqdm when available, else a line on stderr about once a second.
+    """The replay's progress bar: tqdm on stderr, drawn only where stderr is a terminal (and
+    ``enabled``).
 
     ``advance()`` once per request replayed; ``show(text)`` whenever the counts it describes
     change (a job finished, a request done): the bar is redrawn at most every ``interval``
     seconds, and ``close()`` draws it once more, so it ends on the final counts."""
 
     def __init__(self, total: int, enabled: bool, interval: float = 0.1) -> None:
-        self._bar = None
-        self._enabled = enabled
-        self._total = total
-        self._n = 0
+        from tqdm import tqdm
+
         self._interval = interval
-        self._last = 0.0  # when the bar or line was last drawn
+        self._last = 0.0  # when the postfix was last drawn
         self._postfix = ""
-        self._drawn: tuple[int, str] | None = None  # what the fallback line last printed
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._interval = max(interval, 1.0)
-            return
         # disable=None: no bar when stderr is not a terminal (logs, pipes)
         self._bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, dynamic_ncols=True,
-                         disable=None, mininterval=interval)
-
-    @property
-    def postfix(self) -> str:
-        return self._postfix
+                         disable=None if enabled else True, mininterval=interval)
 
     def show(self, postfix: str) -> None:
         if postfix == self._postfix:
             return
         self._postfix = postfix
-        if self._enabled:
-            self._draw(final=False)
+        now = time.monotonic()
+        if now - self._last >= self._interval:
+            self._last = now
+            self._bar.set_postfix_str(postfix, refresh=True)
 
     def advance(self) -> None:
-        self._n += 1
-        if self._bar is not None:
-            self._bar.update(1)  # draws (with the postfix) at most every `interval` seconds
-        elif self._enabled:
-            self._draw(final=self._n == self._total)
-
-    def _draw(self, final: bool) -> None:
-        now = time.monotonic()
-        if not final and now - self._last < self._interval:
-            return
-        self._last = now
-        if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix, refresh=True)
-        elif (self._n, self._postfix) != self._drawn:
-            self._drawn = (self._n, self._postfix)
-            print(f"replay: {self._n}/{self._total} requests  {self._postfix}", file=sys.stderr, flush=True)
+        self._bar.update(1)  # draws (with the postfix) at most every `interval` seconds
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix, refresh=False)
-            self._bar.close()  # draws the final state
-        elif self._enabled:
-            self._draw(final=True)
+        self._bar.set_postfix_str(self._postfix, refresh=False)
+        self._bar.close()  # draws the final state
 
 
 @dataclass

@@ -285,16 +285,11 @@ class _Tty(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("with_tqdm", [True, False])
-def test_progress_ends_on_the_summary_counts(root, monkeypatch, with_tqdm):
-    """The bar (or the fallback line without tqdm) ends on the summary's figures: the last
-    request's store job finishes after that request is counted, and still shows."""
+def test_progress_ends_on_the_summary_counts(root, monkeypatch):
+    """The bar ends on the summary's figures: the last request's store job finishes after
+    that request is counted, and still shows."""
     from pykvtier.replay import format_bytes
 
-    if with_tqdm:
-        pytest.importorskip("tqdm")
-    else:
-        monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` fails
     err = _Tty()
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setenv("COLUMNS", "1000")  # no truncated bar
@@ -307,11 +302,8 @@ def test_progress_ends_on_the_summary_counts(root, monkeypatch, with_tqdm):
     last = [seg for seg in re.split(r"[\r\n]", out) if seg.strip()][-1]
     want = (f"hit {s.block_hit_ratio:.2%}, loaded {format_bytes(s.bytes_loaded)}, "
             f"stored {format_bytes(s.bytes_stored)}")
-    if with_tqdm:
-        assert re.search(r"\| 7/7 \[", last), last
-        assert last.rstrip().endswith(want + "]"), last
-    else:
-        assert last == f"replay: 7/7 requests  {want}"
+    assert re.search(r"\| 7/7 \[", last), last
+    assert last.rstrip().endswith(want + "]"), last
     assert "in flight" not in last
     # the same figures as the text summary
     text = format_summary(s)

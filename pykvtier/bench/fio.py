@@ -32,9 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
-from .options import IOENGINE_ALIASES, OPTIONS, JobSpec, jobs_from_args
+from .options import OPTIONS, JobSpec, jobs_from_args
 from .sysutil import GiB, ColdCache, rusage_cpu
 from .workload import FilePattern, job_files, layout_files
 
@@ -194,18 +194,5 @@ def write_temp(text: str, workdir: str, name: str) -> str:
     return path
 
 
-def engine_of(spec: JobSpec) -> str:
-    return spec.values["ioengine"]
-
-
-def fio_engine_name(engine: str) -> str:
-    inv = {v: k for k, v in IOENGINE_ALIASES.items() if k in ("io_uring", "psync", "libcufile")}
-    return inv.get(engine, engine)
-
-
 def tempdir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=prefix)
-
-
-def jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=str))

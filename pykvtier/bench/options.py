@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -649,18 +648,4 @@ def jobs_from_args(args: Sequence[str]) -> list[JobSpec]:
         raws.extend(parse_jobfile(path, glob))
     raws.extend(cmd_jobs)
     return resolve_jobs(raws)
-
-
-def quote_cmdline(jobs: Sequence[JobSpec]) -> str:
-    """A command line equivalent to jobs (for messages)."""
-    parts = []
-    for j in jobs:
-        parts.append(f"--name={j.name}")
-        parts += [f"--{k}={v}" for k, v in j.given.items() if k != "name"]
-    return " ".join(shlex.quote(p) for p in parts)
-
-
-def fio_value_text(spec: JobSpec, name: str) -> str | None:
-    """The option's text as written, for passing on to fio."""
-    return spec.given.get(name)
 

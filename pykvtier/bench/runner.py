@@ -186,7 +186,6 @@ class _Stream:
         self.op = op  # "read", "write", "promote", "lookup"
         self.stats = DirStats()
         self.done_bytes = 0  # for progress (all I/O, ramp included)
-        self.done_ios = 0
         self.engine = None
         self.error: tuple[int, str] | None = None
         self.ru_thread = (None, None)
@@ -526,7 +525,6 @@ class IoClone(_Clone):
                 self.written.append(f.astype(np.int64) * self.files.blocks_per_file + o // bs)
             pos += n
             stream.done_bytes += n * bs
-            stream.done_ios += n
             with self._count_lock:
                 self.total_ios_done += n
             rate = n / max(t1 - t0, 1e-6)
@@ -919,7 +917,6 @@ class LookupClone(PromoteClone):
         stream.m_end = stream.m_start + measured_s
         stream.stats = DirStats(0, n_keys, measured_s, lat)
         stream.cpu_windows = cpu or None
-        stream.done_ios = n_keys
         self.kv = {"mode": self.mode, "keys": n_keys, "answers": answers,
                    "keys_per_s": n_keys / measured_s if measured_s else 0.0, "passes": pass_no}
         _ = LookupResult

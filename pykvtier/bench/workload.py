@@ -26,9 +26,7 @@ import hashlib
 import os
 import sys
 import time
-import zlib
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -370,12 +368,3 @@ def promote_workload(spec: JobSpec, jobnum: int = 0, pass_no: int = 0,
     return PromoteWorkload(list(seen), reqs,
                            f"trace {name}: {len(reqs)} requests, {tpb} tokens/block "
                            f"({sub} blocks per 512-token trace block)", split)
-
-
-def iter_chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
-    for s in range(0, n, size):
-        yield s, min(n, s + size)
-
-
-def crc(data) -> int:
-    return zlib.crc32(data)
