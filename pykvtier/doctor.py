@@ -3,7 +3,8 @@
 Reports the kernel; io_uring (whether rings can be set up, which setup flags and opcodes work, and
 the operations the engine relies on really run in the root: openat into a fixed-file slot, fixed
 reads/writes, statx, renameat, unlinkat); O_DIRECT at the root and its DIO alignment (statx
-STATX_DIOALIGN); RLIMIT_MEMLOCK (registered buffers pin memory); the GPU and driver; kvikio,
+STATX_DIOALIGN); whether the root's file system checksums file data (then the tier's
+``verify="header"`` is suggested); RLIMIT_MEMLOCK (registered buffers pin memory); the GPU and driver; kvikio,
 cuFile / GPUDirect Storage; and the paths host-arena and GPU-arena loads take, with the reason.
 Runs everywhere (a machine without a GPU, kvikio or even io_uring is explained, not an error);
 ``--json`` prints the same as one JSON object (keys: see :func:`collect`).
@@ -26,7 +27,7 @@ from typing import Any
 
 HELP = "explain this machine: kernel, io_uring, O_DIRECT, memlock, GPU, kvikio/GDS, and the load paths"
 
-__all__ = ["HELP", "add_arguments", "collect", "format_text", "run"]
+__all__ = ["HELP", "add_arguments", "collect", "data_checksums", "format_text", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +72,8 @@ def _io_uring(root: str | None) -> dict[str, Any]:
 
 
 def _mount_of(path: str) -> dict[str, Any]:
-    """The mount holding path: its mount point, file system type and source (from mountinfo)."""
+    """The mount holding path: its mount point, file system type, source and options (the
+    mount's, then the super block's, from mountinfo)."""
     best: dict[str, Any] = {}
     real = os.path.realpath(path)
     for line in (_read("/proc/self/mountinfo") or "").splitlines():
@@ -81,8 +83,64 @@ def _mount_of(path: str) -> dict[str, Any]:
         sep = parts.index("-")
         mnt = parts[4].replace("\\040", " ")
         if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best.get("mount", "")):
-            best = {"mount": mnt, "fstype": parts[sep + 1], "source": parts[sep + 2]}
+            options = parts[5].split(",") + (parts[sep + 3].split(",") if len(parts) > sep + 3 else [])
+            best = {"mount": mnt, "fstype": parts[sep + 1], "source": parts[sep + 2],
+                    "mount_options": options}
     return best
+
+
+_FS_IOC_GETFLAGS = 0x80086601  # _IOR('f', 1, long)
+_FS_NOCOW_FL = 0x00800000  # chattr +C
+
+
+def _has_nocow(path: str) -> bool | None:
+    """Whether ``path`` carries the No_COW attribute (``chattr +C``: btrfs gives files made
+    under it no data checksums); None where its flags cannot be read."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        flags = bytearray(8)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return bool(int.from_bytes(flags[:4], sys.byteorder) & _FS_NOCOW_FL)
+
+
+def data_checksums(fstype: str | None, mount_options: list[str] | tuple[str, ...] = (),
+                   nocow: bool | None = False) -> dict[str, Any]:
+    """Whether a file system checksums the file data it stores, so that a corrupted payload
+    fails the read there: btrfs (unless mounted ``nodatasum``/``nodatacow`` or the root
+    directory is No_COW, ``nocow``), ZFS and bcachefs (unless ``data_checksum=none``) do;
+    ext4, XFS, tmpfs and the rest do not. Returns {"checksums": bool, "reason": str,
+    "suggested_verify": "header" | "payload"} (the tier's ``verify`` option)."""
+    opts = {o.strip() for o in mount_options}
+    fs = (fstype or "").lower()
+    if fs == "btrfs":
+        off = sorted(opts & {"nodatasum", "nodatacow"})
+        if off:
+            ok, reason = False, f"btrfs mounted {','.join(off)}: data blocks carry no checksums"
+        elif nocow:
+            ok, reason = False, "btrfs, but the root directory is No_COW (chattr +C): files made in it carry no data checksums"
+        else:
+            ok, reason = True, "btrfs checksums every data block and fails a read whose bytes do not match"
+    elif fs == "zfs":
+        ok, reason = True, "ZFS checksums every block (checksum property, on by default) and fails or repairs a mismatch"
+    elif fs == "bcachefs":
+        if "data_checksum=none" in opts:
+            ok, reason = False, "bcachefs mounted data_checksum=none"
+        else:
+            ok, reason = True, "bcachefs checksums data (data_checksum, on by default)"
+    elif fs:
+        ok, reason = False, f"{fstype} does not checksum file data"
+    else:
+        ok, reason = False, "file system type unknown"
+    return {"checksums": ok, "reason": reason, "suggested_verify": "header" if ok else "payload"}
 
 
 def _root(root: str) -> dict[str, Any]:
@@ -98,6 +156,8 @@ def _root(root: str) -> dict[str, Any]:
             probe_dir = os.path.dirname(probe_dir)
         out["probed_instead"] = probe_dir
     out.update(_mount_of(probe_dir))
+    out["data_checksums"] = data_checksums(out.get("fstype"), out.get("mount_options", ()),
+                                           _has_nocow(probe_dir))
     try:
         st = os.statvfs(probe_dir)
         out["free_bytes"] = st.f_bavail * st.f_frsize
@@ -317,10 +377,14 @@ def _root_rows(row: _Rows, r: dict[str, Any]) -> None:
         row("O_DIRECT", f"yes; DIO alignment: memory {od['mem_align']} B, offset {od['offset_align']} B ({src})")
     else:
         row("O_DIRECT", f"no: {od.get('reason')}; the tier falls back to buffered I/O (logged, counted)")
-    cs = r.get("data_checksums")
-    if cs is not None:
-        row("data checksums", ("yes" if cs["checksums"] else "no") + f": {cs['reason']}",
-            f"suggested DiskTier verify={cs['suggested_verify']!r}")
+    cs = r["data_checksums"]
+    if cs["checksums"]:
+        row("data checksums", f"yes: {cs['reason']}",
+            "suggested: verify=\"header\" (the file system checks the payload; the tier still "
+            "checks header, key and length)")
+    else:
+        row("data checksums", f"no: {cs['reason']}",
+            "keep verify=\"payload\" (the default: the tier checks every payload it loads)")
 
 
 def _gpu_rows(row: _Rows, g: dict[str, Any]) -> None:

@@ -176,3 +176,111 @@ def test_kvikio_reason_appears_once(report, capsys, built, importable, gpu_prese
     assert loads.endswith("bounce path: loads take io_uring into a pinned bounce arena, then host-to-device "
                           "copies overlapped per chunk (GDS not usable: see cuFile / GDS)")
     assert ("no GPU here" in loads) is not gpu_present
+
+
+# ---------------------------------------------------------------------------- data checksums
+
+@pytest.mark.parametrize("fstype,options,nocow,checksums,reason_has", [
+    ("btrfs", ["rw", "relatime", "space_cache=v2"], False, True, "btrfs checksums every data block"),
+    ("btrfs", ["rw", "nodatasum"], False, False, "mounted nodatasum"),
+    ("btrfs", ["rw", "nodatacow"], False, False, "mounted nodatacow"),
+    ("btrfs", ["rw"], True, False, "No_COW"),
+    ("btrfs", ["rw"], None, True, "btrfs checksums"),  # flags unreadable: the mount decides
+    ("zfs", ["rw", "xattr"], False, True, "ZFS checksums every block"),
+    ("bcachefs", ["rw"], False, True, "bcachefs checksums data"),
+    ("bcachefs", ["rw", "data_checksum=none"], False, False, "data_checksum=none"),
+    ("ext4", ["rw", "relatime"], False, False, "ext4 does not checksum file data"),
+    ("xfs", ["rw"], False, False, "xfs does not checksum file data"),
+    ("tmpfs", ["rw"], True, False, "tmpfs does not checksum file data"),
+    (None, [], None, False, "file system type unknown"),
+])
+def test_data_checksums_decision(fstype, options, nocow, checksums, reason_has):
+    d = doctor.data_checksums(fstype, options, nocow)
+    assert d["checksums"] is checksums
+    assert reason_has in d["reason"]
+    assert d["suggested_verify"] == ("header" if checksums else "payload")
+
+
+def test_root_on_a_file_system_without_data_checksums(tmp_path, capsys):
+    """This machine's own roots: the test directory and /dev/shm (tmpfs) where writable."""
+    roots = [str(tmp_path)] + (["/dev/shm"] if os.access("/dev/shm", os.W_OK) else [])
+    for root in roots:
+        assert main(["doctor", "--root", root, "--json", "--no-gpu"]) == 0
+        r = json.loads(capsys.readouterr().out)["root"]
+        if r["fstype"] in ("btrfs", "zfs", "bcachefs"):
+            continue  # a checksumming test directory: covered by the loop-device test below
+        assert r["data_checksums"] == {"checksums": False,
+                                       "reason": f"{r['fstype']} does not checksum file data",
+                                       "suggested_verify": "payload"}
+        assert main(["doctor", "--root", root, "--no-gpu"]) == 0
+        text = capsys.readouterr().out
+        assert f"data checksums  no: {r['fstype']} does not checksum file data\n" in text
+        assert 'keep verify="payload"' in text and 'verify="header"' not in text
+
+
+@pytest.fixture
+def btrfs_mount(tmp_path):
+    """mount(options) -> a directory on a fresh btrfs (a loop-mounted image file), mounted
+    with ``options``; unmounted at the end. Skips without root, mkfs.btrfs or loop mounts."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mount -o loop)")
+    if shutil.which("mkfs.btrfs") is None:
+        pytest.skip("mkfs.btrfs not installed (btrfs-progs)")
+    image, where = tmp_path / "btrfs.img", tmp_path / "mnt"
+    with open(image, "wb") as f:
+        f.truncate(256 << 20)
+    where.mkdir()
+    subprocess.run(["mkfs.btrfs", "-q", str(image)], check=True, capture_output=True)
+    mounted = []
+
+    def mount(options: str) -> str:
+        if mounted:
+            subprocess.run(["umount", str(where)], check=True)
+            mounted.clear()
+        r = subprocess.run(["mount", "-o", f"loop,{options}", str(image), str(where)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot loop-mount a btrfs image here: {r.stderr.strip()}")
+        mounted.append(True)
+        return str(where)
+
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def _checksums_of(root, capsys) -> tuple[dict, str]:
+    assert main(["doctor", "--root", root, "--json", "--no-gpu"]) == 0
+    r = json.loads(capsys.readouterr().out)["root"]
+    assert main(["doctor", "--root", root, "--no-gpu"]) == 0
+    return r, capsys.readouterr().out
+
+
+def test_btrfs_root_checksums_data_unless_nodatasum_or_nocow(btrfs_mount, capsys):
+    import subprocess
+
+    root = btrfs_mount("rw")
+    r, text = _checksums_of(root, capsys)
+    assert r["fstype"] == "btrfs" and r["mount"] == root
+    assert r["data_checksums"] == {
+        "checksums": True, "suggested_verify": "header",
+        "reason": "btrfs checksums every data block and fails a read whose bytes do not match"}
+    assert "data checksums  yes: btrfs checksums every data block" in text
+    assert 'suggested: verify="header"' in text
+
+    nocow = os.path.join(root, "nocow")
+    os.mkdir(nocow)
+    subprocess.run(["chattr", "+C", nocow], check=True)
+    r, text = _checksums_of(nocow, capsys)
+    assert r["data_checksums"]["checksums"] is False and "No_COW" in r["data_checksums"]["reason"]
+    assert r["data_checksums"]["suggested_verify"] == "payload" and 'keep verify="payload"' in text
+
+    root = btrfs_mount("nodatasum")
+    r, text = _checksums_of(root, capsys)
+    assert "nodatasum" in r["mount_options"]
+    assert r["data_checksums"] == {"checksums": False, "suggested_verify": "payload",
+                                   "reason": "btrfs mounted nodatasum: data blocks carry no checksums"}
+    assert "data checksums  no: btrfs mounted nodatasum" in text
