@@ -10,8 +10,9 @@ the root's marker and lock.
     ROOT/quarantine/ab12…ef.kvb.TIME       entries that failed verification, kept for inspection
 
 File names are the hex BLAKE2b-128 digest of the key (never raw key bytes), fanned out over
-256 directories by the digest's first byte. The header layout is defined in
-``csrc/block_format.hpp``; :func:`read_header` parses it for tools and tests.
+256 directories by the digest's first byte. The header layout is defined once, in
+``csrc/include/pykvtier/block_format.hpp``; :func:`read_header` parses it (through
+``_native.parse_header``) for tools and tests.
 
 Nothing here follows a symbolic link below the root: the root is canonicalized with
 ``os.path.realpath``, directories are opened component by component with ``O_NOFOLLOW``, and
@@ -31,7 +32,6 @@ import logging
 import os
 import shutil
 import stat
-import struct
 import time
 import weakref
 from dataclasses import dataclass
@@ -70,8 +70,7 @@ LOCK_NAME = ".pykvtier.lock"
 PROBE_MARK = ".pykvtier-direct-probe-"  # the engine's O_DIRECT probe file, in blocks/
 QUARANTINE_MAX_FILES = 256
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# magic, version, header_bytes, payload_bytes, key digest, payload xxh3, header xxh3
-_HEADER = struct.Struct("<8sIIQ16sQQ")
+HEADER_PARSE_BYTES = 64  # the header's fields, any version: what _native.parse_header needs
 # Temporaries are named by pid and this process-wide sequence: two Layouts of one root in one
 # process (two tiers sharing a directory) must never pick the same name.
 _tmp_seq = itertools.count(1)
@@ -102,35 +101,42 @@ def dir_mode_of(file_mode: int) -> int:
 
 @dataclass(frozen=True)
 class BlockHeader:
+    """A block file's header as ``_native.parse_header`` reads it (the format is defined once,
+    in ``csrc/include/pykvtier/block_format.hpp``): any version in ``_native.FORMAT_VERSIONS``.
+    ``payload_checksum`` is False for a block stored with ``verify="header"``."""
+
     magic: bytes
     version: int
     header_bytes: int
     payload_bytes: int
     key_digest: bytes
     payload_xxh3: int
-    header_xxh3: int
+    flags: int
+    payload_checksum: bool
+    ok: bool
+
+    @classmethod
+    def parse(cls, raw: bytes) -> BlockHeader:
+        """The header at the start of ``raw`` (``HEADER_PARSE_BYTES`` suffice). Never raises:
+        ``ok`` is False for a short or damaged header."""
+        h = _native.parse_header(raw)
+        return cls(bytes(raw[:8]), h["version"], h["header_bytes"], h["payload_bytes"],
+                   bytes(h["key_digest"]), h["payload_xxh3"], h["flags"],
+                   h["payload_checksum"], h["header_ok"])
 
     def header_ok(self) -> bool:
-        """Magic, version and the header's own checksum are right."""
-        packed = _HEADER.pack(
-            self.magic, self.version, self.header_bytes, self.payload_bytes,
-            self.key_digest, self.payload_xxh3, 0,
-        )
-        return (
-            self.magic == _native.MAGIC
-            and self.version == _native.FORMAT_VERSION
-            and self.header_bytes == HEADER_BYTES
-            and _native.xxh3_64(packed[: _HEADER.size - 8]) == self.header_xxh3
-        )
+        """Magic, a known version and flags, the header size and its own checksum are right."""
+        return self.ok
 
 
 def read_header(path: str | os.PathLike) -> BlockHeader:
-    """Parses the header of the block file at ``path``. Raises OSError, or ValueError if short."""
+    """Parses the header of the block file at ``path``. Raises OSError, or ValueError if the file
+    is shorter than a header's fields."""
     with open(path, "rb") as f:
-        raw = f.read(_HEADER.size)
-    if len(raw) < _HEADER.size:
+        raw = f.read(HEADER_PARSE_BYTES)
+    if len(raw) < HEADER_PARSE_BYTES:
         raise ValueError(f"{os.fspath(path)}: {len(raw)} bytes, shorter than a block header")
-    return BlockHeader(*_HEADER.unpack(raw))
+    return BlockHeader.parse(raw)
 
 
 def _canonical_root(root_dir: str | os.PathLike) -> str:
@@ -380,15 +386,13 @@ class Layout:
                             except OSError:
                                 continue
                             try:
-                                raw = os.pread(ffd, _HEADER.size, 0)
+                                raw = os.pread(ffd, HEADER_PARSE_BYTES, 0)
                             except OSError:
                                 continue
                             finally:
                                 os.close(ffd)
-                            if len(raw) < _HEADER.size:
-                                continue
-                            h = BlockHeader(*_HEADER.unpack(raw))
-                            if h.header_ok():
+                            h = BlockHeader.parse(raw)
+                            if h.ok:
                                 return h.payload_bytes, os.path.join(self.blocks_dir, sub, de.name)
                 finally:
                     os.close(dfd)
