@@ -24,7 +24,7 @@
 #   env     what the machine is: GPU, driver, python, torch, cmake, nvcc, kernel, disk
 #   deps    liburing / xxhash / pkg-config from debs where the system lacks them; the wheels
 #   build   pip install of this tree (CMake: _native, _uring, and _gds where kvikio is found, with
-#           the device checksum kernel csrc/gds_verify.cu where nvcc is: sm_80 + sm_90 + PTX, or
+#           the device checksum kernel csrc/gds/gds_verify.cu where nvcc is: sm_80 + sm_90 + PTX, or
 #           PYKVTIER_CUDA_ARCHS, e.g. "90"); nvcc is looked for on PATH, then in CUDACXX, then in
 #           /usr/local/cuda{,-*}/bin (CUDACXX and CUDAToolkit_ROOT are set to it). On failure,
 #           again without the kernel (PYKVTIER_DEVICE_VERIFY=OFF), then with PYKVTIER_GDS=OFF
