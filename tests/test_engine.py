@@ -1,6 +1,7 @@
 """The C++ io_uring engine (pykvtier._native.Engine): data, results, submit counts.
 
-Every completion is awaited with ``run()`` (synchronous), ``drain()`` or ``wait()``; no sleeps.
+Every completion is awaited with ``pykvtier.engines.run_job`` (submit, then ``wait()`` until
+polled), ``drain()`` or ``wait()``; no sleeps.
 Byte-exact checks compare whole buffers; submit counts come from the engine's own counters
 (``stats()["submits"]``: io_uring_submit calls carrying SQEs) and the per-job ``submits`` that
 ``poll()`` reports.
@@ -580,7 +581,7 @@ sys.exit(1 if bad else 0)
 """
 
 
-def test_run_from_short_lived_threads(root):
+def test_jobs_from_short_lived_threads(root):
     # in a child process: the failure mode aborts the interpreter
     # (cwd=root: the source tree must not shadow the installed package)
     proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, os.path.join(root, "t")],
@@ -742,9 +743,9 @@ def test_shutdown_completes_pending_work(direct_root, aligned, kind):
     assert sorted(os.listdir(direct_root)) == sorted(os.path.basename(p) for p in paths)
     with pytest.raises(RuntimeError, match="shut down"):
         e.submit(n, Op.UNLINK, [paths[0]])
-    if kind == "posix":  # (the io_uring engine's run() uses the caller's own ring)
-        with pytest.raises(RuntimeError, match="shut down"):
-            run_job(e, Op.UNLINK, [paths[0]])
+    with pytest.raises(RuntimeError, match="shut down"):
+        run_job(e, Op.UNLINK, [paths[0]])
+    assert e.pending_jobs() == 0 and e.poll() == []
     e.shutdown()  # idempotent
     assert os.path.exists(paths[0])
 

@@ -5,7 +5,7 @@ removed, and the O_DIRECT probe on full or O_DIRECT-refusing file systems.
 Every test runs on the io_uring engine and the posix engine ("posix-walk": the posix engine as on
 a kernel without openat2, walking each path component with O_NOFOLLOW). Tests that mount file
 systems or set file attributes need root and skip, saying why, elsewhere; mounts are removed in
-``finally``. No sleeps: every job is awaited with run().
+``finally``. No sleeps: every job is awaited with pykvtier.engines.run_job.
 """
 
 from __future__ import annotations

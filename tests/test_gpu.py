@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: the GPU tests need it")
 
 from pykvtier import DiskTier, LookupResult, Promoter, TransferJob, _native, gpu  # noqa: E402
+from pykvtier.engines import run_job  # noqa: E402
 from pykvtier.layout import key_digest  # noqa: E402
 
 pytestmark = [
@@ -179,16 +180,17 @@ def test_gds_checksums_agree_with_the_host(root, length):
     src = torch.randint(0, 256, (n, length), dtype=torch.uint8, device="cuda")
     digests = [key_digest(f"ck-{length}-{i}".encode()) for i in range(n)]
     paths = [os.path.join(root, f"c{i}") for i in range(n)]
-    res = eng.run("write_block", [(p + ".tmp", p, length, int(src[i].data_ptr()), d)
+    res = run_job(eng, _native.WRITE_BLOCK, [(p + ".tmp", p, length, int(src[i].data_ptr()), d)
                                   for i, (p, d) in enumerate(zip(paths, digests))], direct=False)
     assert res == [length] * n, eng.last_error()
     host = _native.Engine(queue_depth=4)
     buf = np.zeros((n, length), dtype=np.uint8)
-    assert host.run("read_block", [(p, length, int(buf[i].ctypes.data), d)
-                                   for i, (p, d) in enumerate(zip(paths, digests))], direct=False) == [length] * n
+    assert run_job(host, _native.READ_BLOCK, [(p, length, int(buf[i].ctypes.data), d)
+                                              for i, (p, d) in enumerate(zip(paths, digests))],
+                   direct=False) == [length] * n
     assert np.array_equal(buf, src.cpu().numpy())
     dst = torch.zeros_like(src)
-    res = eng.run("read_block", [(p, length, int(dst[i].data_ptr()), d)
+    res = run_job(eng, _native.READ_BLOCK, [(p, length, int(dst[i].data_ptr()), d)
                                  for i, (p, d) in enumerate(zip(paths, digests))], direct=False)
     assert res == [length] * n, eng.last_error()
     torch.cuda.synchronize()
@@ -212,21 +214,21 @@ def test_gds_verify_modes_on_a_corrupt_payload(root, verify):
     src = torch.randint(0, 256, (2, BS), dtype=torch.uint8, device="cuda")
     d = [key_digest(b"v0"), key_digest(b"v1")]
     p = [os.path.join(root, "v0"), os.path.join(root, "v1")]
-    assert eng.run("write_block", [(p[i] + ".tmp", p[i], BS, int(src[i].data_ptr()), d[i]) for i in range(2)],
+    assert run_job(eng, _native.WRITE_BLOCK, [(p[i] + ".tmp", p[i], BS, int(src[i].data_ptr()), d[i]) for i in range(2)],
                    direct=False) == [BS, BS]
     with open(p[1], "r+b") as f:
         f.seek(4096 + 7)
         f.write(b"\x00\x01\x02")
     dst = torch.zeros_like(src)
-    res = eng.run("read_block", [(p[i], BS, int(dst[i].data_ptr()), d[i]) for i in range(2)], direct=False)
+    res = run_job(eng, _native.READ_BLOCK, [(p[i], BS, int(dst[i].data_ptr()), d[i]) for i in range(2)], direct=False)
     assert res[0] == BS
     if verify == "header":
         assert res[1] == BS and eng.stats()["unverified_payloads"] == 2  # documented: not checked
     else:
         assert res[1] == _native.ERR_CHECKSUM
     # header checks hold in every mode: another key's block is refused
-    res = eng.run("read_block", [(p[0], BS, int(dst[0].data_ptr()), d[1])], direct=False)
+    res = run_job(eng, _native.READ_BLOCK, [(p[0], BS, int(dst[0].data_ptr()), d[1])], direct=False)
     assert res == [_native.ERR_KEY_MISMATCH]
     with pytest.raises(ValueError, match="not device memory"):
-        eng.run("read_block", [(p[0], BS, int(np.zeros(BS, np.uint8).ctypes.data), d[0])])
+        run_job(eng, _native.READ_BLOCK, [(p[0], BS, int(np.zeros(BS, np.uint8).ctypes.data), d[0])])
     eng.shutdown()

@@ -3,9 +3,9 @@ plain system calls on a thread pool.
 
 The engine-agnostic tests of test_engine.py run here again with ``engine`` a PosixEngine (same
 entries, results, errors and counters); the rest checks what is the posix engine's own: its
-thread count, the jobs run() and submit() count, shutdown with stores held back, FIFOs.
+thread count, the jobs submit() counts, shutdown with stores held back, FIFOs.
 (Loads before stores and shutdown with queued work: test_engine.py, for both engines.)
-Completions are awaited with run(), drain() or wait(); no sleeps.
+Completions are awaited with run_job, drain() or wait(); no sleeps.
 """
 
 from __future__ import annotations

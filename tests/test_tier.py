@@ -715,6 +715,7 @@ def test_engine_recycle_that_cannot_rename_removes_the_file(root, arena):
     fails for another reason than ENOENT (here EEXIST), the block is written to a new file and
     the file to recycle is removed; nothing else is touched."""
     from pykvtier import _native
+    from pykvtier.engines import run_job
 
     a = fill(arena(1, BS), 24)
     eng = _native.Engine(queue_depth=4, max_inflight_bytes=1 << 20)
@@ -724,14 +725,14 @@ def test_engine_recycle_that_cannot_rename_removes_the_file(root, arena):
             f.write(fill_byte * FB)
     digest = key_digest(b"key")
     addr = a.ctypes.data
-    res = eng.run("write_block", [(tmp, final, BS, addr, digest, victim)], direct=False)
+    res = run_job(eng, _native.WRITE_BLOCK, [(tmp, final, BS, addr, digest, victim)], direct=False)
     assert res == [BS]
     assert sorted(os.listdir(root)) == ["final"]
     s = eng.stats()
     assert (s["recycled"], s["recycle_failures"]) == (0, 0)
     b = fill(arena(1, BS), 0)
     b[:] = 0
-    assert eng.run("read_block", [(final, BS, b.ctypes.data, digest)], direct=False) == [BS]
+    assert run_job(eng, _native.READ_BLOCK, [(final, BS, b.ctypes.data, digest)], direct=False) == [BS]
     assert np.array_equal(a, b)
     eng.shutdown()
 

@@ -68,25 +68,8 @@ void PosixEngine::submit(std::unique_ptr<Job> job) {
   work_cv_.notify_all();
 }
 
-std::vector<int64_t> PosixEngine::run(Job& job) {
-  job.submit_time = monotonic_seconds();
-  if (!job.reqs.empty()) {
-    std::unique_lock<std::mutex> lk(mu_);
-    if (stopping_) throw std::runtime_error("engine is shut down");
-    stats_.jobs_submitted++;
-    (op_is_write(job.op) ? stores_ : loads_).push_back(&job);
-    work_cv_.notify_all();
-    run_cv_.wait(lk, [&] { return run_done_.count(&job) != 0; });
-    run_done_.erase(&job);
-  }
-  std::vector<int64_t> out;
-  out.reserve(job.reqs.size());
-  for (auto& r : job.reqs) out.push_back(r.result);
-  return out;
-}
-
 // The last request of job finished (mu_ held by lk): its directories synced (fsync=True), then
-// reported to poll() or to its run() caller.
+// reported to poll().
 void PosixEngine::job_done_locked(Job* job, std::unique_lock<std::mutex>& lk) {
   if (job->fsync) {
     lk.unlock();
@@ -94,15 +77,8 @@ void PosixEngine::job_done_locked(Job* job, std::unique_lock<std::mutex>& lk) {
     lk.lock();
   }
   job->end_time = monotonic_seconds();
-  auto it = submitted_.find(job);
-  if (it == submitted_.end()) {  // a run() job: its caller owns it
-    stats_.jobs_finished++;
-    run_done_.insert(job);
-    run_cv_.notify_all();
-    return;
-  }
   finish_locked(*job);
-  submitted_.erase(it);
+  submitted_.erase(job);
 }
 
 void PosixEngine::thread_main() {

@@ -11,7 +11,6 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "job_queue.hpp"
@@ -41,10 +40,6 @@ class PosixEngine final : public detail::JobQueue {
   bool await_buffers(double) override { return true; }
   void shutdown() override;
 
-  // Runs job on the pool and waits for it (not reported by poll()). Caller must not hold the
-  // GIL. Throws std::runtime_error after shutdown().
-  std::vector<int64_t> run(Job& job);
-
   const PosixEngineConfig& config() const { return cfg_; }
   unsigned threads() const { return nthreads_; }
 
@@ -70,8 +65,7 @@ class PosixEngine final : public detail::JobQueue {
   // Jobs with requests not yet handed to a thread (under mu_); loads have priority.
   std::deque<Job*> loads_, stores_;
   std::unordered_map<Job*, std::unique_ptr<Job>> submitted_;  // submit()ted, not finished
-  std::unordered_set<Job*> run_done_;  // run() jobs finished, not yet collected by run()
-  std::condition_variable work_cv_, run_cv_;
+  std::condition_variable work_cv_;
   std::mutex join_mu_;  // held by shutdown() while it joins the threads
   std::vector<std::thread> threads_;
 };

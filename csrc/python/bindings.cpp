@@ -133,33 +133,6 @@ void register_block_format(py::module_& m) {
 
 void no_check(Job&) {}
 
-// The transitional synchronous entry point of the host engines (callers move to
-// pykvtier.engines.run_job).
-template <class Cls>
-void def_run(Cls& cls, const char* doc) {
-  using E = typename Cls::type;
-  cls.def(
-      "run",
-      [](E& e, py::handle op, const py::sequence& entries, bool direct, uint32_t align, uint32_t mem_align,
-         bool fsync, bool latencies, uint32_t file_mode, const std::string& verify) -> py::object {
-        python::SubmitOptions o{direct, align, mem_align, fsync, file_mode, verify};
-        auto job = python::make_job(0, op, entries, o, EngineTraits{}, &mode_needs_fix);
-        std::vector<int64_t> out;
-        {
-          py::gil_scoped_release nogil;
-          out = e.run(*job);
-        }
-        if (!latencies) return py::cast(out);
-        std::vector<double> lat;
-        lat.reserve(job->reqs.size());
-        for (auto& r : job->reqs) lat.push_back(r.done_time - r.issue_time);
-        return py::make_tuple(out, lat);
-      },
-      py::arg("op"), py::arg("entries"), py::arg("direct") = true, py::arg("align") = 4096,
-      py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("latencies") = false,
-      py::arg("file_mode") = 0600, py::arg("verify") = "payload", doc);
-}
-
 const char* kSubmitDoc =
     "submit(job_id, op, entries, *, direct=True, align=4096, mem_align=0, fsync=False,\n"
     "file_mode=0o600, verify=\"payload\"): queues a job (op: an Op) and returns at once; loads\n"
@@ -332,9 +305,6 @@ reported; a failed directory fsync fails the entries renamed into it.
       .def_property_readonly("queue_depth", [](UringEngine& e) { return e.config().queue_depth; })
       .def_property_readonly("max_inflight_bytes", [](UringEngine& e) { return e.config().max_inflight_bytes; });
   python::def_engine(cls, EngineTraits{}, &mode_needs_fix, no_check, kSubmitDoc);
-  def_run(cls,
-          "Transitional (use pykvtier.engines.run_job): runs one batch on the calling thread's own ring\n"
-          "and returns one result per entry, or with latencies=True (results, seconds per entry).");
 
   auto posix = py::class_<PosixEngine>(m, "PosixEngine", R"doc(
 Batched block I/O by plain system calls (open, preadv/pwritev, renameat2) on a thread pool:
@@ -373,7 +343,4 @@ walking the path with O_NOFOLLOW where the kernel has no openat2).
       .def_property_readonly("max_inflight_bytes", [](PosixEngine& e) { return e.config().max_inflight_bytes; })
       .def_property_readonly("threads", &PosixEngine::threads);
   python::def_engine(posix, EngineTraits{}, &mode_needs_fix, no_check, kSubmitDoc);
-  def_run(posix,
-          "Transitional (use pykvtier.engines.run_job): runs one batch on the engine's threads and waits;\n"
-          "one result per entry, or with latencies=True (results, seconds per entry).");
 }

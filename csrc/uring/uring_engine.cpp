@@ -58,9 +58,9 @@ Ring::Ring(UringEngine& engine, unsigned depth, int wake_fd, bool single_issuer)
   unsigned entries = 8;
   while (entries < depth * 7 + 2) entries <<= 1;
   // A worker's ring lives and dies with its thread: let the kernel run completion work only
-  // when that thread waits (SINGLE_ISSUER + DEFER_TASKRUN, Linux 6.1). Rings of run() may be
-  // reused by a later thread, so they only run completion work cooperatively (5.19). Older
-  // kernels take plain rings.
+  // when that thread waits (SINGLE_ISSUER + DEFER_TASKRUN, Linux 6.1). The constructor's probe
+  // ring (single_issuer false) runs completion work cooperatively (5.19). Older kernels take
+  // plain rings.
   const unsigned flag_sets[] = {
       IORING_SETUP_SUBMIT_ALL | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
       IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN,
@@ -919,8 +919,6 @@ void UringEngine::shutdown() {
   workers_.clear();
   for (int fd : wake_fds_) ::close(fd);
   wake_fds_.clear();
-  std::lock_guard<std::mutex> lk(rings_mu_);
-  sync_rings_.clear();
 }
 
 int64_t UringEngine::register_buffer(uint64_t addr, uint64_t len) {
@@ -951,30 +949,6 @@ std::vector<BufferRegion> UringEngine::buffers(uint64_t* generation) const {
   std::lock_guard<std::mutex> lk(buf_mu_);
   *generation = buffers_generation_;
   return buffers_;
-}
-
-std::vector<int64_t> UringEngine::run(Job& job) {
-  Ring* ring;
-  {
-    std::lock_guard<std::mutex> lk(rings_mu_);
-    auto& slot = sync_rings_[std::this_thread::get_id()];
-    if (!slot) slot = std::make_unique<Ring>(*this, cfg_.queue_depth, -1, false);
-    ring = slot.get();
-  }
-  stats_.jobs_submitted++;
-  job.submit_time = monotonic_seconds();
-  ring->sync_buffers();
-  std::vector<Job*> finished;
-  while (finished.empty() && !job.reqs.empty()) {
-    if (job.next < job.reqs.size()) ring->issue(job);
-    ring->submit_and_reap(finished);
-  }
-  if (job.reqs.empty()) job.end_time = monotonic_seconds();
-  stats_.jobs_finished++;
-  std::vector<int64_t> out;
-  out.reserve(job.reqs.size());
-  for (auto& r : job.reqs) out.push_back(r.result);
-  return out;
 }
 
 void UringEngine::submit(std::unique_ptr<Job> job) {

@@ -205,10 +205,6 @@ class UringEngine final : public detail::JobQueue {
   void unregister_buffers() override;
   bool await_buffers(double timeout_s) override;
 
-  // Synchronous batch on the calling thread's own ring (not reported by poll()). Caller must
-  // not hold the GIL.
-  std::vector<int64_t> run(Job& job);
-
   std::vector<BufferRegion> buffers(uint64_t* generation) const;
   const EngineConfig& config() const { return cfg_; }
 
@@ -227,9 +223,6 @@ class UringEngine final : public detail::JobQueue {
   std::vector<int> wake_fds_;
   std::vector<uint64_t> worker_buffer_gen_;  // buffers generation each worker's ring has
   std::vector<std::thread> workers_;
-
-  std::mutex rings_mu_;
-  std::unordered_map<std::thread::id, std::unique_ptr<Ring>> sync_rings_;
 };
 
 }  // namespace pykvtier
