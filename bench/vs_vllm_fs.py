@@ -370,7 +370,7 @@ def combine(rounds: list[list[dict]]) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     lines = []
-    hdr = (f"{'phase':5} {'block':>6} {'blk/job':>7} {'inflt':>5} {'tier':9} {'GB/s':>7} "
+    hdr = (f"{'phase':5} {'block':>6} {'blk/job':>7} {'inflt':>5} {'tier':12} {'GB/s':>7} "
            f"{'CPU-s/GiB':>9} {'p50 ms':>8} {'p99 ms':>8} {'jobs':>5}")
     lines += [hdr, "-" * len(hdr)]
     key = lambda r: (r["phase"] != "store", r["block"], r["job_blocks"])  # noqa: E731
@@ -385,13 +385,13 @@ def table(results: list[dict]) -> str:
             if r is None:
                 continue
             lines.append(f"{r['phase']:5} {fmt_size(r['block']):>6} {r['job_blocks']:>7} "
-                         f"{r['inflight']:>5} {name:9} {r['gbps']:7.2f} "
+                         f"{r['inflight']:>5} {name:12} {r['gbps']:7.2f} "
                          f"{r['cpu_s_per_gib']:9.3f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
                          f"{r['jobs']:>5}")
         for name, label in (("pykvtier", "ratio"), ("pykvtier-hdr", "hdr ratio")):
             if name in g and "vllm-fs" in g:
                 a, b = g[name], g["vllm-fs"]
-                lines.append(f"{'':5} {'':>6} {'':>7} {'':>5} {label:9} "
+                lines.append(f"{'':5} {'':>6} {'':>7} {'':>5} {label:12} "
                              f"{a['gbps'] / b['gbps']:6.2f}x {a['cpu_s_per_gib'] / b['cpu_s_per_gib']:8.2f}x "
                              f"{a['p50_ms'] / b['p50_ms']:7.2f}x {a['p99_ms'] / b['p99_ms']:7.2f}x")
     return "\n".join(lines)
