@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-PKGS=(liburing-dev libxxhash-dev pkg-config build-essential python3-dev python3-venv fio)
+PKGS=(liburing-dev libxxhash-dev pkg-config build-essential python3-dev python3-venv fio btrfs-progs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
