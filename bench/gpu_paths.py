@@ -68,7 +68,7 @@ class Env:
                       cufile_available=True, gds_available=True, nvfs_version="fake", root_probe=None)
             st["usable"], st["reason"] = True, "fake GPU (--fake): numbers mean nothing"
             engines_gpu.hooks = engines_gpu._Hooks(status=lambda root: st,
-                                   make_gds=lambda threads, compat, verify: PosixEngine(queue_depth=threads),
+                                   make_gds=lambda threads, compat, checksum: PosixEngine(queue_depth=threads),
                                    make_copier=lambda arena: HostCopier())
             self.torch = None
         else:
@@ -131,9 +131,10 @@ def tier_run(env: Env, root: str, bs: int, keys: list[bytes], batch: int, path: 
         tier = DiskTier(root, bs, queue_depth=args.qd, max_inflight_bytes=args.inflight_bytes)
     else:
         opts = gpu.DeviceOptions(path="gds" if path.startswith("gds") else path, io_threads=args.threads,
-                                 verify="header" if path == "gds-nover" else args.verify,
-                                 bounce_slots=args.bounce_slots, chunk_blocks=args.chunk_blocks)
-        tier = DiskTier(root, bs, queue_depth=args.qd, max_inflight_bytes=args.inflight_bytes, device_path=opts)
+                                 checksum=args.verify, bounce_slots=args.bounce_slots,
+                                 chunk_blocks=args.chunk_blocks)
+        tier = DiskTier(root, bs, queue_depth=args.qd, max_inflight_bytes=args.inflight_bytes, device_path=opts,
+                        verify="header" if path == "gds-nover" else "payload")
     try:
         tier.set_arena(arena)
         chosen = tier.device_path.path if tier.device_path else "host"

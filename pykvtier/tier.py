@@ -13,8 +13,6 @@ import errno
 import functools
 import logging
 import math
-import numbers
-import operator
 import os
 import stat
 import time
@@ -26,13 +24,12 @@ from typing import Any
 
 from . import _native
 from .buffers import Arena, as_arena
+from .config import DiskTierConfig, as_int
 from .engines import Op, make_host_engine
 from .layout import (
     HEADER_BYTES,
-    QUARANTINE_MAX_FILES,
     Layout,
     Quarantine,
-    check_file_mode,
     dir_mode_of,
     key_digest,
     lock_root,
@@ -138,8 +135,6 @@ _ERR_TEXT = {
 }
 _CORRUPT = set(_ERR_TEXT)
 _INTERNAL_JOB = 1 << 62  # engine job ids of the tier's own jobs (evictions)
-_MAX_BLOCK_BYTES = getattr(_native, "MAX_REQUEST_BYTES", 1 << 30)  # the engines' per-request limit
-_MAX_INFLIGHT_BYTES = 1 << 48  # a bound the engines' uint64 byte budgets never overflow at
 _NO_SPACE = (-errno.ENOSPC, -errno.EDQUOT)  # a store meeting these evicts and is retried once
 _FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between are counted)
 _NO_FS_FIGURES = 1 << 62  # free bytes assumed where the file system reports no sizes
@@ -149,24 +144,23 @@ _now = time.monotonic  # the clock of the three above
 _open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # this process's tiers not shut down
 
 
+_TIER_STATS = (
+    "lookups", "hits", "misses", "retries", "hit_pending", "loads_submitted", "stores_submitted",
+    "stores_skipped_present", "blocks_loaded", "blocks_stored", "bytes_loaded", "bytes_stored",
+    "load_failures", "store_failures", "verify_failures", "quarantined", "evictions",
+    "eviction_failures", "capacity_rejections", "probes", "probe_hits", "probe_results_applied",
+    "stale_temporaries_removed", "direct_fallbacks", "malformed_block_files", "evictions_recycled",
+    "store_retries", "leftovers_removed")
+
+
 def _describe(res: int) -> str:
     if res in _ERR_TEXT:
         return _ERR_TEXT[res]
     return f"{errno.errorcode.get(-res, str(-res))}: {os.strerror(-res)}"
 
 
-def _as_int(v: Any, what: str) -> int:
-    """An integer (int, numpy integer...), never a float, str or bool; TypeError otherwise."""
-    if isinstance(v, bool):
-        raise TypeError(f"{what} must be an integer, not bool")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, not {type(v).__name__}") from None
-
-
 def _undo_on_failure(init: Any) -> Any:
-    """Wraps DiskTier.__init__: when it raises, what it took (root lock, engine, probe ring) is
+    """Wraps DiskTier._start: when it raises, what it took (root lock, engine, probe ring) is
     let go before the error propagates."""
 
     @functools.wraps(init)
@@ -281,6 +275,15 @@ class DiskTier:
             0o660 -> 0o770). Within 0o666, owner read and write set.
         quarantine_max_files: entries kept in ``ROOT/quarantine/``; the oldest are removed past
             it (counted in ``stats()["quarantine_files"]``, ``["quarantine_bytes"]``).
+        verify: what a load checks: "payload" (the default: header, key digest, length and the
+            payload's XXH3-64) or "header" (all but the payload checksum, which stores then do
+            not compute either; for file systems that checksum data themselves, e.g. btrfs,
+            ZFS). A block stored without a payload checksum is loaded with the header checks by
+            a "payload" tier too (counted in ``stats()["loads_unchecked_payload"]``).
+
+    The options (all but ``arena``) are the fields of :class:`pykvtier.config.DiskTierConfig`,
+    checked there before anything on disk is touched; ``DiskTier.from_config`` takes one, and
+    ``self.config`` is the tier's.
 
     The root is locked from here until :meth:`shutdown` (``flock`` on ``ROOT/.pykvtier.lock``:
     exclusive for ``shared=False``, shared for ``shared=True``), and records its block size in
@@ -301,111 +304,60 @@ class DiskTier:
     ``shared=True``).
     """
 
+    def __init__(self, root_dir: str | os.PathLike, block_size_bytes: int, *, arena: Any = None,
+                 **options: Any) -> None:
+        self._start(DiskTierConfig(root_dir, block_size_bytes, **options), arena)
+
+    @classmethod
+    def from_config(cls, config: DiskTierConfig, arena: Any = None) -> DiskTier:
+        """A tier with the options of ``config`` (see :class:`pykvtier.config.DiskTierConfig`)."""
+        tier = cls.__new__(cls)
+        tier._start(config, arena)
+        return tier
+
     @_undo_on_failure
-    def __init__(
-        self,
-        root_dir: str | os.PathLike,
-        block_size_bytes: int,
-        *,
-        capacity_bytes: int | None = None,
-        shared: bool = False,
-        direct: bool | None = None,
-        queue_depth: int = 64,
-        max_inflight_bytes: int = 256 << 20,
-        probe_ttl_s: float = 1.0,
-        fsync: bool = False,
-        engine: str = "auto",
-        arena: Any = None,
-        track_removals: bool = False,
-        device_path: Any = "auto",
-        recycle: bool = True,
-        min_free_bytes: int | None = None,
-        mode: int = 0o600,
-        quarantine_max_files: int = QUARANTINE_MAX_FILES,
-    ) -> None:
-        if not isinstance(root_dir, (str, os.PathLike)):
-            raise TypeError(f"root_dir must be a str or os.PathLike, not {type(root_dir).__name__}")
-        block_size_bytes = _as_int(block_size_bytes, "block_size_bytes")
-        if not 1 <= block_size_bytes <= _MAX_BLOCK_BYTES:
-            raise ValueError(f"block_size_bytes must be a positive int <= {_MAX_BLOCK_BYTES} (the "
-                             f"engines' per-request limit), got {block_size_bytes}")
-        if capacity_bytes is not None:
-            capacity_bytes = _as_int(capacity_bytes, "capacity_bytes")
-        if min_free_bytes is not None:
-            min_free_bytes = _as_int(min_free_bytes, "min_free_bytes")
-            if min_free_bytes < 0:
-                raise ValueError(f"min_free_bytes must be >= 0, got {min_free_bytes}")
-        queue_depth = _as_int(queue_depth, "queue_depth")
-        if not 1 <= queue_depth <= 4096:
-            raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
-        max_inflight_bytes = _as_int(max_inflight_bytes, "max_inflight_bytes")
-        if max_inflight_bytes <= 0:
-            raise ValueError(f"max_inflight_bytes must be positive, got {max_inflight_bytes}")
-        if max_inflight_bytes > _MAX_INFLIGHT_BYTES:
-            raise ValueError(f"max_inflight_bytes must be at most 2**48 = {_MAX_INFLIGHT_BYTES}, "
-                             f"got {max_inflight_bytes}")
-        if isinstance(probe_ttl_s, bool) or not isinstance(probe_ttl_s, numbers.Real):
-            raise TypeError(f"probe_ttl_s must be a number of seconds, not "
-                            f"{type(probe_ttl_s).__name__}")
-        probe_ttl_s = float(probe_ttl_s)
-        if not probe_ttl_s >= 0:  # (also NaN)
-            raise ValueError(f"probe_ttl_s must be >= 0 seconds, got {probe_ttl_s}")
-        if direct is not None and not isinstance(direct, bool):
-            raise ValueError(f"direct must be None, True or False, got {direct!r}")
-        if capacity_bytes is not None and capacity_bytes < block_size_bytes + HEADER_BYTES:
-            raise ValueError(
-                f"capacity_bytes={capacity_bytes} cannot hold one block "
-                f"({block_size_bytes + HEADER_BYTES} bytes with its header)"
-            )
-        if engine not in ("auto", "uring", "posix"):
-            raise ValueError(f"unknown engine {engine!r}: expected 'auto', 'uring' or 'posix'")
-        from .engines.gpu import DeviceOptions
-
-        self._device_options = DeviceOptions.of(device_path)
+    def _start(self, cfg: DiskTierConfig, arena: Any) -> None:
+        self.config = cfg
+        self._device_options = cfg.device_path
         self.device_path = None  # the pykvtier.gpu.PathChoice of a device arena
-        self.block_size_bytes = block_size_bytes
-        self.file_bytes = block_size_bytes + HEADER_BYTES
-        self.capacity_bytes = capacity_bytes
-        for name, flag in (("shared", shared), ("fsync", fsync), ("recycle", recycle),
-                           ("track_removals", track_removals)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        self.shared = shared
-        self.recycle = recycle and not shared and not fsync
-        self._recycle_failures_seen = 0
-        self.fsync = fsync
-        self.probe_ttl_s = probe_ttl_s
-        self.file_mode = check_file_mode(mode)
-        self.dir_mode = dir_mode_of(self.file_mode)
-        quarantine_max_files = _as_int(quarantine_max_files, "quarantine_max_files")
-        if quarantine_max_files < 0:
-            raise ValueError(f"quarantine_max_files must be >= 0, got {quarantine_max_files}")
-        self.layout = Layout(root_dir, self.dir_mode, make_dirs=False)
+        self.block_size_bytes = cfg.block_size_bytes
+        self.file_bytes = cfg.block_size_bytes + HEADER_BYTES
+        self.capacity_bytes = cfg.capacity_bytes
+        self.shared, self.fsync, self.verify = cfg.shared, cfg.fsync, cfg.verify
+        self.recycle = cfg.recycle and not cfg.shared and not cfg.fsync
+        self.probe_ttl_s = cfg.probe_ttl_s
+        self.file_mode = cfg.mode
+        self.dir_mode = dir_mode_of(cfg.mode)
+        self._stats: dict[str, int] = dict.fromkeys(_TIER_STATS, 0)
+        self.layout = Layout(cfg.root_dir, self.dir_mode, make_dirs=False)
         # Locked before anything under the root changes; released by shutdown() (or at once
-        # when __init__ fails: _undo_on_failure).
-        self._root_lock = lock_root(self.layout.root, shared, file_mode=self.file_mode)
+        # when the start fails: _undo_on_failure).
+        self._root_lock = lock_root(self.layout.root, cfg.shared, file_mode=self.file_mode)
         self.layout.make_dirs()
-        self.layout.check_block_size(block_size_bytes, self.file_mode)
-        self._quarantine_box = Quarantine(self.layout, quarantine_max_files)
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "lookups", "hits", "misses", "retries", "hit_pending",
-                "loads_submitted", "stores_submitted", "stores_skipped_present",
-                "blocks_loaded", "blocks_stored", "bytes_loaded", "bytes_stored",
-                "load_failures", "store_failures", "verify_failures", "quarantined",
-                "evictions", "eviction_failures", "capacity_rejections", "probes",
-                "probe_hits", "probe_results_applied", "stale_temporaries_removed", "direct_fallbacks",
-                "malformed_block_files", "evictions_recycled",
-            ),
-            0,
-        )
+        self.layout.check_block_size(cfg.block_size_bytes, self.file_mode)
+        self._quarantine_box = Quarantine(self.layout, cfg.quarantine_max_files)
+        self.direct = self._choose_direct(cfg.direct)
+        self._host_engine = make_host_engine(cfg.engine, cfg.queue_depth, cfg.max_inflight_bytes)
+        self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if cfg.shared else None
+        self._init_state(cfg)
+        self._use_engine()
+        # Temporaries named with this pid belong to a live writer if another tier of this
+        # process uses the root; else they are a dead process's (pid reused) and are swept.
+        self._own_pid_live = any(t.layout.root == self.layout.root for t in _open_tiers)
+        _open_tiers.add(self)
+        self._scan()
+        if arena is not None:
+            self.set_arena(arena)
 
+    def _choose_direct(self, direct: bool | None) -> bool:
+        """O_DIRECT or not (``direct`` None: where the root takes it); sets the alignments.
+        ValueError when direct=True cannot work at the root."""
         dio = _native.probe_direct(self.layout.blocks_dir)
         self.align = max(4096, int(dio["offset_align"]))
         self.mem_align = max(4096, int(dio["mem_align"]))
         # Header and payload are each O_DIRECT transfers: both sizes must be aligned.
         unaligned = next((f"{what}={n} is not a multiple of {self.align}" for what, n in
-                          (("block_size_bytes", block_size_bytes), ("header", HEADER_BYTES))
+                          (("block_size_bytes", self.block_size_bytes), ("header", HEADER_BYTES))
                           if n % self.align), None)
         if direct is None:
             direct = bool(dio["direct"]) and unaligned is None
@@ -419,17 +371,16 @@ class DiskTier:
         elif direct and unaligned is not None:
             raise ValueError(f"direct=True but {unaligned} bytes, the O_DIRECT alignment at "
                              f"{self.layout.root}")
-        self.direct = direct
+        return direct
 
-        self._host_engine = make_host_engine(engine, queue_depth, max_inflight_bytes)
-        self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if shared else None
-
+    def _init_state(self, cfg: DiskTierConfig) -> None:
+        """The index, the jobs in flight and the bookkeeping, empty."""
         self._index: dict[bytes, _Entry] = {}  # digest -> entry
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # PRESENT digests, oldest first
         self._used_bytes = 0  # file bytes of PRESENT + WRITING + REMOVING blocks
         self._loading: dict[bytes, int] = {}  # digest -> loads in flight
         self._failed: set[bytes] = set()  # digests whose load failed: MISS until stored again
-        self._removed: list[bytes] | None = [] if track_removals else None
+        self._removed: list[bytes] | None = [] if cfg.track_removals else None
         # digest -> its index in the next probe batch (first asked first), until the step's end
         self._probe_wanted: dict[bytes, int] = {}
         # probe batches in flight: (first ticket, digest -> index), digests whose result was not
@@ -441,19 +392,20 @@ class DiskTier:
         self._retry_after: dict[int, _Pending] = {}  # eviction's engine job id -> store to retry
         self._polled: list = []  # engine results polled, not settled yet (see drain)
         self._writing = 0  # WRITING blocks
+        self._recycle_failures_seen = 0
         self._leftovers: dict[str, bytes | None] = {}  # unremovable file -> digest of its name
         self._leftover_digests: set[bytes] = set()  # block names among them
         self._leftover_retry_at = 0.0
         self._warn_counts: dict[tuple[str, str], list] = {}  # (what, reason) -> [count, a path]
         self._warn_at = 0.0
-        self._stats.update(dict.fromkeys(("store_retries", "leftovers_removed"), 0))
-        if min_free_bytes is None:  # 5 % of the file system
+        min_free = cfg.min_free_bytes
+        if min_free is None:  # 5 % of the file system
             try:
                 st = os.statvfs(self.layout.blocks_dir)
-                min_free_bytes = st.f_blocks * st.f_frsize // 20
+                min_free = st.f_blocks * st.f_frsize // 20
             except OSError:
-                min_free_bytes = 0
-        self.min_free_bytes = min_free_bytes
+                min_free = 0
+        self.min_free_bytes = min_free
         self._fs_free = 0  # estimated free bytes of the root's file system (see _fs_room)
         self._fs_checked_at = -math.inf
         self._ready: list[JobResult] = []  # results settled without the engine
@@ -461,14 +413,6 @@ class DiskTier:
         self._next_engine_job = 1
         self._arena: Arena | None = None
         self._closed = False
-        self._use_engine()
-        # Temporaries named with this pid belong to a live writer if another tier of this
-        # process uses the root; else they are a dead process's (pid reused) and are swept.
-        self._own_pid_live = any(t.layout.root == self.layout.root for t in _open_tiers)
-        _open_tiers.add(self)
-        self._scan()
-        if arena is not None:
-            self.set_arena(arena)
 
     # ------------------------------------------------------------------ set-up
 
@@ -750,7 +694,7 @@ class DiskTier:
             raise RuntimeError("DiskTier is shut down")
         if self._arena is None:
             raise RuntimeError("no arena: call set_arena() first")
-        job_id = _as_int(job.job_id, "job_id")
+        job_id = as_int(job.job_id, "job_id")
         if job_id in self._job_ids:
             raise ValueError(f"job_id {job_id} is already in flight")
         if isinstance(job.keys, (bytes, bytearray, memoryview, str)):
@@ -760,7 +704,7 @@ class DiskTier:
         if isinstance(job.slot_ids, (bytes, bytearray, memoryview, str)):
             raise TypeError(f"job {job_id}: slot_ids must be a sequence of ints, not one "
                             f"{type(job.slot_ids).__name__}")
-        slots = [_as_int(s, f"job {job_id}: slot id") for s in job.slot_ids]
+        slots = [as_int(s, f"job {job_id}: slot id") for s in job.slot_ids]
         if len(keys) != len(slots):
             raise ValueError(f"job {job_id}: {len(keys)} keys but {len(slots)} slot_ids")
         n = self._arena.num_slots
@@ -855,7 +799,8 @@ class DiskTier:
         eid = self._next_engine_job
         self._next_engine_job += 1
         self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
-                            mem_align=self.mem_align, fsync=self.fsync, file_mode=self.file_mode)
+                            mem_align=self.mem_align, fsync=self.fsync, file_mode=self.file_mode,
+                            verify=self.verify)
         return eid
 
     def _dispatch(self, pend: _Pending, op: Any, entries: list) -> None:
@@ -1351,7 +1296,7 @@ class DiskTier:
             self._root_lock.release()
 
     def _abandon(self) -> None:
-        """Lets go of what a failed __init__ took (see _undo_on_failure); never raises."""
+        """Lets go of what a failed start took (see _undo_on_failure); never raises."""
         self._closed = True
         _open_tiers.discard(self)
         for name, close in (("_engine", "shutdown"), ("_host_engine", "shutdown"), ("_probe", "close"),
@@ -1399,6 +1344,7 @@ class DiskTier:
         s["buffer_registration_failures"] = eng["buffer_registration_failures"]
         s["files_recycled"] = eng["recycled"]
         s["recycle_failures"] = eng["recycle_failures"]
+        s["loads_unchecked_payload"] = eng["loads_unchecked_payload"]
         s["used_bytes"] = self._used_bytes
         s["leftover_files"] = len(self._leftovers)
         s["blocks_present"] = len(self._lru)

@@ -91,6 +91,10 @@ def test_device_options():
         gpu.DeviceOptions.of("fast")
     with pytest.raises(TypeError):
         gpu.DeviceOptions.of(3)
+    with pytest.raises(ValueError, match="DeviceOptions.checksum must be 'auto', 'device' or 'host', got 'header'"):
+        gpu.DeviceOptions(checksum="header")
+    with pytest.raises(ValueError, match="DeviceOptions.bounce_slots must be an int >= 1, got 0"):
+        gpu.DeviceOptions(bounce_slots=0)
     with pytest.raises(ValueError, match="unknown device_path"):
         DiskTier("/nonexistent-never-created", BS, device_path="fast")
 
@@ -445,7 +449,7 @@ def test_tier_device_arena_takes_the_bounce_fallback_and_says_so(root, aligned, 
 def test_tier_device_arena_takes_gds_where_usable(root, aligned, fake_gpu, caplog):
     fake_gpu["status"] = status()
     with caplog.at_level(logging.INFO, logger="pykvtier"), \
-            DiskTier(root, BS, direct=False, device_path=gpu.DeviceOptions(io_threads=3, verify="host")) as tier:
+            DiskTier(root, BS, direct=False, device_path=gpu.DeviceOptions(io_threads=3, checksum="host")) as tier:
         round_trip(tier, aligned)
         assert tier.device_path.path == "gds" and not tier.device_path.fallback
         assert tier.engine_name == "gds"
@@ -668,11 +672,11 @@ def test_gds_engine_plumbing_without_a_gpu(tmp_path):
     st = mod.status()
     assert {"kvikio_version", "cufile_library", "cufile_available", "gds_available", "cuda_devices",
             "compat_mode_default", "notes"} <= set(st)
-    for bad in (dict(verify="fast"), dict(compat="maybe"), dict(io_threads=0)):
+    for bad in (dict(checksum="fast"), dict(compat="maybe"), dict(io_threads=0)):
         with pytest.raises(ValueError):
             mod.GdsEngine(**bad)
-    eng = mod.GdsEngine(io_threads=2, compat="on", verify="host")
-    assert (eng.io_threads, eng.compat, eng.verify) == (2, "on", "host")
+    eng = mod.GdsEngine(io_threads=2, compat="on", checksum="host")
+    assert (eng.io_threads, eng.compat, eng.checksum) == (2, "on", "host")
     f = tmp_path / "x"
     f.write_bytes(b"1")
     eng.submit(5, "unlink", [str(f), str(tmp_path / "missing")])

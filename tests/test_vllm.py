@@ -334,6 +334,7 @@ def test_importing_pykvtier_does_not_import_vllm():
     ({"min_free_bytes": False}, r"min_free_bytes must be null or an integer >= 0 \(bytes\), got False"),
     ({"direct": "no"}, r"PyKVTier: direct must be true, false, null or \"auto\", got 'no'"),
     ({"direct": 1}, r"PyKVTier: direct must be true, false, null or \"auto\", got 1"),
+    ({"verify": "none"}, r"PyKVTier: verify must be 'payload' or 'header', got 'none'"),
 ])
 def test_bad_config_is_a_clear_error(root, bad, match):
     cfg = {**tier_config(root), **bad}
@@ -343,6 +344,18 @@ def test_bad_config_is_a_clear_error(root, bad, match):
         SecondaryTierFactory.create_secondary_tier(cfg, memoryview(arr), spec)
     if "direct" in bad:  # refused before any directory is made
         assert not os.path.exists(os.path.join(root, "pykvtier"))
+
+
+def test_verify_reaches_every_root(root):
+    roots = [os.path.join(root, "a"), os.path.join(root, "b")]
+    cfg = tier_config(roots, verify="header")
+    spec = OffloadingSpecFactory.create_spec(offloading_config([cfg]))
+    tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(aligned_rows(4)), spec)
+    try:
+        assert [t.verify for t in tier.tiers] == ["header", "header"]
+        assert tier.config.verify == "header" and tier.config.root_dir == roots
+    finally:
+        tier.shutdown()
 
 
 def test_direct_auto_is_the_file_systems_choice(root):

@@ -28,24 +28,37 @@ logger = logging.getLogger("pykvtier")
 PATHS = ("gds", "kvikio-compat", "bounce")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceOptions:
     """How a tier moves blocks to and from a device arena (``DiskTier(device_path=...)`` takes one
-    of these or just the path name).
+    of these or just the path name). Checked here: ValueError naming the field.
 
     path: "auto", "gds", "kvikio-compat" or "bounce" (see the module docs).
     io_threads: requests in flight in the gds engine.
-    verify: the gds engine's payload checksum: "auto" (on the device where the kernel was built,
-        else on the host), "device", "host", "header" (not checked; for measuring).
+    checksum: where the gds engine computes payload checksums: "auto" (on the device where the
+        kernel was built, else on the host), "device", "host". (Not checking them at all is
+        the tier's ``verify="header"``.)
     bounce_slots: pinned host slots of the bounce path (``bounce_slots * block`` bytes pinned).
     chunk_blocks: blocks per host job of the bounce path (the copy/read overlap granularity).
     """
 
     path: str = "auto"
     io_threads: int = 16
-    verify: str = "auto"
+    checksum: str = "auto"
     bounce_slots: int = 64
     chunk_blocks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.path not in ("auto",) + PATHS:
+            raise ValueError(f"unknown device_path {self.path!r}: expected 'auto', " +
+                             ", ".join(repr(p) for p in PATHS))
+        if self.checksum not in ("auto", "device", "host"):
+            raise ValueError(f"DeviceOptions.checksum must be 'auto', 'device' or 'host', got "
+                             f"{self.checksum!r}")
+        for name in ("io_threads", "bounce_slots", "chunk_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DeviceOptions.{name} must be an int >= 1, got {v!r}")
 
     @classmethod
     def of(cls, value: Any) -> DeviceOptions:
@@ -54,9 +67,6 @@ class DeviceOptions:
         if isinstance(value, DeviceOptions):
             return value
         if isinstance(value, str):
-            if value not in ("auto",) + PATHS:
-                raise ValueError(f"unknown device_path {value!r}: expected 'auto', " +
-                                 ", ".join(repr(p) for p in PATHS))
             return cls(path=value)
         raise TypeError(f"device_path must be a str or DeviceOptions, not {type(value).__name__}")
 
@@ -106,13 +116,13 @@ def _default_status(root: str) -> dict[str, Any]:
     return gds_status(root)
 
 
-def _default_make_gds(io_threads: int, compat: str, verify: str) -> Any:
+def _default_make_gds(io_threads: int, compat: str, checksum: str) -> Any:
     from ..gpu import load_gds_module
 
     module, reason = load_gds_module()
     if module is None:
         raise ValueError(f"the gds engine is unavailable: {reason}")
-    return module.GdsEngine(io_threads=io_threads, compat=compat, verify=verify)
+    return module.GdsEngine(io_threads=io_threads, compat=compat, checksum=checksum)
 
 
 def _default_make_copier(arena: Any) -> Any:
@@ -124,7 +134,7 @@ class _Hooks:
     """The GPU-touching pieces :func:`device_engine` uses; tests replace them."""
 
     status: Callable[[str], dict] = _default_status  # (blocks dir) -> gds_status dict
-    make_gds: Callable[[int, str, str], Any] = _default_make_gds  # (io_threads, compat, verify)
+    make_gds: Callable[[int, str, str], Any] = _default_make_gds  # (io_threads, compat, checksum)
     make_copier: Callable[[Any], Any] = _default_make_copier  # (arena) -> Copier
     announced: set = field(default_factory=set)
 
@@ -162,7 +172,7 @@ def device_engine(host: Any, arena: Any, options: DeviceOptions, choice: PathCho
         name = engine.name
     else:
         compat = "on" if choice.path == "kvikio-compat" else ("off" if options.path == "gds" else "auto")
-        engine = hooks.make_gds(options.io_threads, compat, options.verify)
+        engine = hooks.make_gds(options.io_threads, compat, options.checksum)
         host.unregister_buffers()
         engine.register_buffer(arena.addr, arena.nbytes)
         name = choice.path

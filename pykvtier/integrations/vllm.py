@@ -62,6 +62,7 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import __version__
+from ..config import check_verify
 from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
 from ..tier import DiskTier
 from ..tier import JobResult as TierJobResult
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["PyKVTier", "PyKVTierInfo", "PyKVTierMetrics"]
+__all__ = ["PyKVTier", "PyKVTierConfig", "PyKVTierInfo", "PyKVTierMetrics"]
 
 logger = logging.getLogger("pykvtier")
 
@@ -83,14 +84,6 @@ _LOOKUP = {
     TierLookupResult.RETRY: LookupResult.RETRY,
     TierLookupResult.MISS: LookupResult.MISS,
 }
-
-# The config keys PyKVTier takes (besides the factory's own four), for the unknown-key error.
-_OPTIONS = (
-    "root_dir", "capacity_bytes", "locality", "enable_kv_events", "engine", "queue_depth",
-    "max_inflight_bytes", "direct", "fsync", "shared", "probe_ttl_s", "recycle", "mode",
-    "min_free_bytes",
-)
-
 
 class PyKVTierMetrics:
     """Prometheus metric names of the tier's own figures; counters and gauges are labelled by
@@ -190,17 +183,15 @@ class _Job:
     transfer_bytes: int = 0
 
 
-def _flag(options: dict[str, Any], key: str, default: bool) -> bool:
+def _check_flag(key: str, v: Any) -> bool:
     """A boolean config key: true/false only (a string such as "false" would read as true)."""
-    v = options.get(key, default)
     if not isinstance(v, bool):
         raise ValueError(f"PyKVTier: {key} must be true or false, got {v!r}")
     return v
 
 
-def _number(options: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+def _check_number(key: str, v: Any, kind: type) -> Any:
     """A numeric config key (an int, or a float for kind=float), never a bool or a string."""
-    v = options.get(key, default)
     ok = (int,) if kind is int else (int, float)
     if isinstance(v, bool) or not isinstance(v, ok) or v <= 0:
         what = "positive integer" if kind is int else "positive number"
@@ -208,28 +199,134 @@ def _number(options: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     return kind(v)
 
 
-def _file_mode(options: dict[str, Any]) -> int:
+def _check_mode(v: Any) -> int:
     """``mode``: file permission bits, an int (0o640 in Python, 416 in JSON) or a string of
     octal digits ("640", "0o640", "0640"); see DiskTier(mode=)."""
-    v = options.get("mode", 0o600)
+    given = v
     if isinstance(v, str):
         try:
             v = int(v.strip().removeprefix("0o").removeprefix("0O") or "x", 8)
         except ValueError:
             raise ValueError(f"PyKVTier: mode must be file permission bits, an int or a string "
-                             f"of octal digits such as \"640\", got {options['mode']!r}") from None
+                             f"of octal digits such as \"640\", got {given!r}") from None
     try:
         return check_file_mode(v, "mode")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"PyKVTier: {exc}") from None
 
 
-def _min_free_bytes(options: dict[str, Any]) -> int | None:
-    v = options.get("min_free_bytes")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-        raise ValueError(f"PyKVTier: min_free_bytes must be null or an integer >= 0 (bytes), "
-                         f"got {v!r}")
-    return v
+def _key(default: Any, doc: str, default_text: str | None = None) -> Any:
+    meta = {"doc": doc} if default_text is None else {"doc": doc, "default_text": default_text}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class PyKVTierConfig:
+    """The tier's config keys (vLLM's ``secondary_tiers`` entry, less the factory's own), each
+    checked here: ValueError naming the key. Fields hold the normalized values (``root_dir``: a
+    list of paths; ``direct``: None for "auto"; ``mode``: an int; ``locality``: vLLM's
+    ``Locality`` or None). :meth:`from_options` refuses unknown keys, naming them."""
+
+    root_dir: Any = field(default=None, metadata={
+        "doc": "a directory, or a list (one per NVMe drive); blocks are sharded across them by "
+               "key digest, so keep the list and its order fixed", "default_text": "required"})
+    capacity_bytes: int | None = _key(
+        None, "total block-file bytes, split evenly over the roots; least recently used blocks "
+              "are evicted (never one being read); `touch()` from vLLM counts as a use")
+    locality: Any = _key(
+        None, "`LOCAL` or `REMOTE`, as vLLM's `Locality` (events, per-request tier filters)")
+    enable_kv_events: bool = _key(
+        False, "KV events for this tier: stored, and removed when a block is evicted or its load "
+               "fails (needs vLLM's KV cache events on)")
+    shared: bool = _key(
+        False, "the roots are shared with other vLLM instances: unknown keys are probed (batched "
+               "`statx` through io_uring, submitted from `on_schedule_end`) and answer RETRY for "
+               "one step")
+    engine: str = _key("auto", "`uring`, `posix`, or `auto` (io_uring where the kernel allows "
+                               "it, else posix, logged)")
+    queue_depth: int = _key(64, "block requests in flight per root")
+    max_inflight_bytes: int = _key(256 << 20, "payload bytes in flight per root", "256 MiB")
+    direct: Any = _key(
+        "auto", "`true`: O_DIRECT, refused at start-up where the file system or block size "
+                "cannot take it; `false`: buffered; `\"auto\"` or `null`: where the file system "
+                "takes it (a fallback is logged and counted)", '`"auto"`')
+    fsync: bool = _key(
+        False, "durable stores: each block file fdatasync'ed and each directory it is renamed "
+               "into fsync'ed (once per job) before the job is reported; turns recycling off "
+               "(see \"What a crash or power loss can do\")")
+    mode: Any = _key(
+        0o600, "permission bits of the files the tier creates (blocks, `config.json`); its "
+               "directories get the matching x bits (0o640 → 0o750). JSON has no octal: write "
+               "`\"640\"` or `416`. Within 0o666, owner read and write set", "`0o600`")
+    min_free_bytes: int | None = _key(
+        None, "free space kept on each root's file system (each root's own, not split); a store "
+              "that would go below it evicts least recently used blocks first; `null`: 5 %",
+        "5 % of the file system")
+    probe_ttl_s: float = _key(1.0, "how long a probe's \"not found\" stays a MISS (`shared`)")
+    recycle: bool = _key(
+        True, "a store that needs room takes over the evicted block's file (renamed, "
+              "overwritten, renamed into place) instead of unlinking it and creating one: no "
+              "inode or extent allocation per store; never on `shared` roots")
+    verify: str = _key(
+        "payload", "what a load checks: `payload` (header, key digest, length and the payload's "
+                   "XXH3-64) or `header` (all but the payload checksum, which stores then skip "
+                   "too: for file systems that checksum data, e.g. btrfs, ZFS)")
+
+    @classmethod
+    def from_options(cls, tier_type: str, options: dict[str, Any]) -> PyKVTierConfig:
+        """The config of the keyword arguments vLLM's factory passed; ValueError naming any
+        unknown key, a missing ``root_dir``, or a bad value."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(
+                f"secondary tier {tier_type!r} (PyKVTier): unknown config key"
+                f"{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)}; "
+                f"accepted keys: {', '.join(names)}")
+        if "root_dir" not in options:
+            raise ValueError(f"secondary tier {tier_type!r} (PyKVTier): 'root_dir' is required "
+                             "(a directory, or a list of directories, one per drive)")
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__.__get__(self)  # (frozen: the normalized values go in once)
+        set_("root_dir", _roots(self.root_dir))
+        if self.capacity_bytes is not None:
+            _check_number("capacity_bytes", self.capacity_bytes, int)
+        for key in ("queue_depth", "max_inflight_bytes"):
+            _check_number(key, getattr(self, key), int)
+        set_("probe_ttl_s", _check_number("probe_ttl_s", self.probe_ttl_s, float))
+        for key in ("enable_kv_events", "fsync", "shared", "recycle"):
+            _check_flag(key, getattr(self, key))
+        direct = None if self.direct == "auto" else self.direct
+        if direct is not None and not isinstance(direct, bool):
+            raise ValueError(f"PyKVTier: direct must be true, false, null or \"auto\", got {direct!r}")
+        set_("direct", direct)
+        set_("mode", _check_mode(self.mode))
+        v = self.min_free_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"PyKVTier: min_free_bytes must be null or an integer >= 0 (bytes), "
+                             f"got {v!r}")
+        if self.locality is not None:
+            try:
+                set_("locality", Locality(self.locality))
+            except ValueError:
+                raise ValueError(f"PyKVTier: locality must be one of "
+                                 f"{[loc.value for loc in Locality]}, got {self.locality!r}") from None
+        try:
+            check_verify(self.verify)
+        except ValueError as exc:
+            raise ValueError(f"PyKVTier: {exc}") from None
+
+    def disk_tier_options(self) -> dict[str, Any]:
+        """The DiskTier keywords every root's tier gets (capacity split over the roots)."""
+        return dict(
+            capacity_bytes=None if self.capacity_bytes is None
+            else self.capacity_bytes // len(self.root_dir),
+            shared=self.shared, direct=self.direct, queue_depth=self.queue_depth,
+            max_inflight_bytes=self.max_inflight_bytes, probe_ttl_s=self.probe_ttl_s,
+            fsync=self.fsync, engine=self.engine, recycle=self.recycle, mode=self.mode,
+            min_free_bytes=self.min_free_bytes, verify=self.verify)
 
 
 def _locked(root: str, ns: str, shared: bool, exc: RootLockedError) -> ValueError:
@@ -270,28 +367,11 @@ def _roots(root_dir: Any) -> list[str]:
 class PyKVTier(SecondaryTierManager):
     """vLLM secondary tier on local NVMe (or any POSIX file system), through pykvtier.
 
-    Config keys (keyword arguments; any other key is an error naming it):
-
-    - ``root_dir`` (required): a directory, or a list of directories, one per drive; keys are
-      sharded across them by digest. Keep the list fixed: a key is looked for in its shard only.
-    - ``capacity_bytes``: total block-file bytes kept (split evenly across roots); least
-      recently used blocks are evicted, never one being read. None (default): no limit.
-    - ``locality``: "LOCAL" or "REMOTE" (vLLM's ``Locality``), reported in events and used by
-      per-request tier filters. Default None.
-    - ``enable_kv_events``: emit vLLM KV events (stored, and removed on eviction or failed
-      load) for this tier; effective only when KV cache events are on globally.
-    - ``engine``: "auto" (io_uring where allowed, else posix, logged), "uring" or "posix".
-    - ``queue_depth``, ``max_inflight_bytes``: block requests / payload bytes in flight per
-      root. ``direct``: O_DIRECT (None: where the file system takes it). ``fsync``: fdatasync
-      each block before it is renamed into place. ``shared``: the root is shared with other
-      processes (other vLLM instances): unknown keys are probed asynchronously (RETRY until the
-      probe lands, one step) instead of answered MISS. ``probe_ttl_s``: how long a probe's
-      "not found" stays a MISS.
-    - ``mode``: permission bits of the files the tier creates, 0o600 by default (KV blocks are
-      user data); its directories get the matching x bits (0o640 -> 0o750). An int (416 in
-      JSON) or a string of octal digits ("640"). Within 0o666, owner read and write set.
-    - ``min_free_bytes``: free space kept on each root's file system (not split: one drive
-      each); None (default): 5 % of that file system. See DiskTier.
+    Config keys (keyword arguments): the fields of :class:`PyKVTierConfig`, each with its
+    default and meaning (the README's table is generated from them); any other key is an error
+    naming it. ``root_dir`` is required: a directory, or a list of directories, one per drive;
+    keys are sharded across them by digest (keep the list fixed). ``capacity_bytes`` is the
+    total, split evenly across roots; ``min_free_bytes`` is each root's own.
 
     Each root's directory for this model is locked while the tier runs (exclusively unless
     ``shared``): a second instance on it fails at start-up with a ValueError naming the root
@@ -308,51 +388,18 @@ class PyKVTier(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
         **options: Any,
     ) -> None:
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"secondary tier {tier_type!r} (PyKVTier): unknown config key"
-                f"{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)}; "
-                f"accepted keys: {', '.join(_OPTIONS)}")
-        if "root_dir" not in options:
-            raise ValueError(f"secondary tier {tier_type!r} (PyKVTier): 'root_dir' is required "
-                             "(a directory, or a list of directories, one per drive)")
+        cfg = PyKVTierConfig.from_options(tier_type, options)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        roots = _roots(options["root_dir"])
-        capacity_bytes = (None if options.get("capacity_bytes") is None
-                          else _number(options, "capacity_bytes", None, int))
-        locality = options.get("locality")
-        engine = options.get("engine", "auto")
-        queue_depth = _number(options, "queue_depth", 64, int)
-        max_inflight_bytes = _number(options, "max_inflight_bytes", 256 << 20, int)
-        direct = options.get("direct")
-        if direct == "auto":
-            direct = None
-        if direct is not None and not isinstance(direct, bool):
-            raise ValueError(f"PyKVTier: direct must be true, false, null or \"auto\", got {direct!r}")
-        fsync = _flag(options, "fsync", False)
-        shared = _flag(options, "shared", False)
-        probe_ttl_s = _number(options, "probe_ttl_s", 1.0, float)
-        recycle = _flag(options, "recycle", True)
-        mode = _file_mode(options)
-        min_free_bytes = _min_free_bytes(options)
-        if locality is not None:
-            try:
-                self.locality = Locality(locality)
-            except ValueError:
-                raise ValueError(
-                    f"PyKVTier: locality must be one of "
-                    f"{[loc.value for loc in Locality]}, got {locality!r}") from None
-
+        self.config = cfg
+        if cfg.locality is not None:
+            self.locality = cfg.locality
         view = primary_kv_view
         if view.ndim != 2 or not view.c_contiguous:
             raise ValueError(f"PyKVTier: primary_kv_view must be a C-contiguous (num_chunks, "
                              f"stride) view, got shape {view.shape}")
         self.num_chunks = view.shape[0]
-        block = self.block_size_bytes  # the row stride, set by the base class
-
         self._events: list[OffloadingEvent] | None = None
-        if _flag(options, "enable_kv_events", False):
+        if cfg.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
             else:
@@ -360,33 +407,54 @@ class PyKVTier(SecondaryTierManager):
                                "cache events are off globally; the tier emits none", tier_type)
         # digest -> key of blocks announced as stored and not yet as removed
         self._announced: dict[bytes, bytes] = {}
+        self.roots = cfg.root_dir
+        self._open_roots(cfg, offloading_spec, view)
+        self._single = self._tiers[0] if len(self._tiers) == 1 else None
+        self.engine_name = self._tiers[0].engine_name
+        self.direct = all(t.direct for t in self._tiers)
+        self._jobs: dict[int, _Job] = {}
+        self._ready: list[JobResult] = []
+        # figures for get_stats(): last DiskTier.stats() per root, times and job durations since
+        self._last_stats: list[dict[str, int]] = [{} for _ in self._tiers]
+        self._times = [[0.0, 0.0] for _ in self._tiers]  # per root: [read s, write s]
+        self._job_times: list[tuple[bool, float]] = []  # (is_load, transfer seconds)
+        self._fallbacks_reported = False
+        self._closed = False
+        block = self.block_size_bytes
+        self._info = PyKVTierInfo(
+            pykvtier_version=__version__, pykvtier_engine=self.engine_name,
+            pykvtier_direct=self.direct, pykvtier_roots=len(self.roots),
+            pykvtier_root_dir=",".join(self.roots), pykvtier_capacity_bytes=cfg.capacity_bytes,
+            pykvtier_block_bytes=block, pykvtier_shared=cfg.shared,
+            pykvtier_queue_depth=cfg.queue_depth)
+        logger.info("pykvtier: vLLM tier %r on %s: %d-byte blocks, engine %s, O_DIRECT %s, "
+                    "capacity %s", tier_type, self.namespace_dirs, block, self.engine_name,
+                    self.direct, cfg.capacity_bytes)
 
-        per_root = None if capacity_bytes is None else capacity_bytes // len(roots)
-        self.roots = roots
+    def _open_roots(self, cfg: PyKVTierConfig, spec: OffloadingSpec, view: memoryview) -> None:
+        """One DiskTier per root, in its namespace directory, the primary view as its arena;
+        every tier opened is shut down again when one fails (ValueError naming the root)."""
+        opts = dict(cfg.disk_tier_options(), track_removals=self._events is not None)
+        block = self.block_size_bytes  # the row stride, set by the base class
         self.namespace_dirs: list[str] = []
         self._tiers: list[DiskTier] = []
         try:
-            for root in roots:
+            for root in cfg.root_dir:
                 try:
-                    ns = self._namespace_dir(root, offloading_spec, mode)
+                    ns = self._namespace_dir(root, spec, cfg.mode)
                 except OSError as exc:
                     raise ValueError(f"PyKVTier: root {root!r}: cannot create the tier's directory "
                                      f"({exc.filename}: {exc.strerror})") from exc
                 try:
-                    tier = DiskTier(
-                        ns, block, capacity_bytes=per_root, shared=shared, direct=direct,
-                        queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
-                        probe_ttl_s=probe_ttl_s, fsync=fsync, engine=engine,
-                        track_removals=self._events is not None, recycle=recycle, mode=mode,
-                        min_free_bytes=min_free_bytes,
-                    )
+                    tier = DiskTier(ns, block, **opts)
                 except RootLockedError as exc:
-                    err = _locked(root, ns, shared, exc)
+                    err = _locked(root, ns, cfg.shared, exc)
                     logger.error("%s", err)
                     raise err from exc
                 except ValueError as exc:
-                    split = (f" (capacity_bytes={capacity_bytes} split over {len(roots)} roots)"
-                             if per_root is not None and len(roots) > 1 else "")
+                    split = (f" (capacity_bytes={cfg.capacity_bytes} split over "
+                             f"{len(cfg.root_dir)} roots)"
+                             if cfg.capacity_bytes is not None and len(cfg.root_dir) > 1 else "")
                     raise ValueError(f"PyKVTier: root {root!r}{split}: {exc}") from exc
                 self._tiers.append(tier)
                 self.namespace_dirs.append(ns)
@@ -396,33 +464,6 @@ class PyKVTier(SecondaryTierManager):
             for t in self._tiers:
                 t.shutdown()
             raise
-
-        self._single = self._tiers[0] if len(self._tiers) == 1 else None
-        self.engine_name = self._tiers[0].engine_name
-        self.direct = all(t.direct for t in self._tiers)
-        self._engine_requested = engine
-        self._jobs: dict[int, _Job] = {}
-        self._ready: list[JobResult] = []
-        # figures for get_stats(): last DiskTier.stats() per root, times and job durations since
-        self._last_stats: list[dict[str, int]] = [{} for _ in self._tiers]
-        self._times = [[0.0, 0.0] for _ in self._tiers]  # per root: [read s, write s]
-        self._job_times: list[tuple[bool, float]] = []  # (is_load, transfer seconds)
-        self._fallbacks_reported = False
-        self._closed = False
-        self._info = PyKVTierInfo(
-            pykvtier_version=__version__,
-            pykvtier_engine=self.engine_name,
-            pykvtier_direct=self.direct,
-            pykvtier_roots=len(roots),
-            pykvtier_root_dir=",".join(roots),
-            pykvtier_capacity_bytes=capacity_bytes,
-            pykvtier_block_bytes=block,
-            pykvtier_shared=shared,
-            pykvtier_queue_depth=queue_depth,
-        )
-        logger.info("pykvtier: vLLM tier %r on %s: %d-byte blocks, engine %s, O_DIRECT %s, "
-                    "capacity %s", tier_type, self.namespace_dirs, block, self.engine_name,
-                    self.direct, capacity_bytes)
 
     @staticmethod
     def _namespace_dir(root: str, spec: OffloadingSpec, mode: int = 0o600) -> str:
@@ -710,7 +751,7 @@ class PyKVTier(SecondaryTierManager):
             if write_s:
                 stats.increase_counter(M.WRITE_TIME, write_s, label)
             self._times[i] = [0.0, 0.0]
-            if (not self._fallbacks_reported and self._engine_requested == "auto"
+            if (not self._fallbacks_reported and self.config.engine == "auto"
                     and tier.engine_name != "uring"):
                 stats.increase_counter(M.ENGINE_FALLBACKS, 1, label)
             stats.set_gauge(M.USED_BYTES, cur["used_bytes"], label)
