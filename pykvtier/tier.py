@@ -20,6 +20,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from hashlib import blake2b as _blake2b  # (layout.key_digest, inlined on the per-key paths)
 from typing import Any
 
 from . import _native
@@ -102,7 +103,7 @@ class _State(enum.Enum):
     REMOVING = 3
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     state: _State
     readers: int = 0  # loads in flight reading this block
@@ -126,14 +127,7 @@ class _Pending:
     moved_bytes: int = 0
 
 
-_ERR_TEXT = {
-    _native.ERR_SHORT: "block file is truncated (short read)",
-    _native.ERR_BAD_HEADER: "block header is corrupt (magic, version or header checksum)",
-    _native.ERR_KEY_MISMATCH: "block file belongs to another key",
-    _native.ERR_LENGTH: "block file has another payload length",
-    _native.ERR_CHECKSUM: "payload checksum mismatch (corrupt bytes)",
-}
-_CORRUPT = set(_ERR_TEXT)
+_CORRUPT = frozenset(int(v) for v in _native.BlockError.__members__.values())  # failed checks
 _INTERNAL_JOB = 1 << 62  # engine job ids of the tier's own jobs (evictions)
 _NO_SPACE = (-errno.ENOSPC, -errno.EDQUOT)  # a store meeting these evicts and is retried once
 _FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between are counted)
@@ -154,9 +148,7 @@ _TIER_STATS = (
 
 
 def _describe(res: int) -> str:
-    if res in _ERR_TEXT:
-        return _ERR_TEXT[res]
-    return f"{errno.errorcode.get(-res, str(-res))}: {os.strerror(-res)}"
+    return _native.result_text(res)
 
 
 def _undo_on_failure(init: Any) -> Any:
@@ -584,13 +576,19 @@ class DiskTier:
     def lookup(self, key: bytes) -> LookupResult:
         """Is ``key``'s block here? Never blocks (microseconds); see :class:`LookupResult`.
         Semantics as DESIGN.md's table and vLLM's SecondaryTierManager.lookup, plus HIT_PENDING
-        for a block whose load is in flight."""
+        for a block whose load is in flight. TypeError for a key that is not bytes."""
+        return self.lookup_digest(_blake2b(key if type(key) is bytes else _as_key(key),
+                                           digest_size=16).digest())
+
+    def lookup_digest(self, digest: bytes) -> LookupResult:
+        """:meth:`lookup` of the key whose :func:`~pykvtier.layout.key_digest` is ``digest``
+        (for callers that computed it already, e.g. to pick a shard)."""
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
-        digest = key_digest(_as_key(key))
         r = self._lookup_digest(digest)
-        self._stats["lookups"] += 1
-        self._stats[_LOOKUP_COUNTER[r]] += 1
+        st = self._stats
+        st["lookups"] += 1
+        st[_LOOKUP_COUNTER[r]] += 1
         return r
 
     def _lookup_digest(self, digest: bytes) -> LookupResult:
@@ -679,17 +677,20 @@ class DiskTier:
         else:
             self._probe_misses[digest] = now + self.probe_ttl_s
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Marks blocks as recently used (eviction order)."""
-        for k in keys:
-            d = key_digest(_as_key(k))
-            if d in self._lru:
-                self._lru.move_to_end(d)
+    def touch(self, keys: Iterable[bytes], digests: Iterable[bytes] | None = None) -> None:
+        """Marks blocks as recently used (eviction order). ``digests``: the keys'
+        :func:`~pykvtier.layout.key_digest`, where the caller has them (``keys`` is then unused)."""
+        lru = self._lru
+        for d in (key_digest(_as_key(k)) for k in keys) if digests is None else digests:
+            if d in lru:
+                lru.move_to_end(d)
 
     # ------------------------------------------------------------------ phase 2
 
-    def _check_job(self, job: TransferJob) -> tuple[list[bytes], list[int]]:
-        """The job's keys and slot ids, each iterated once (any iterable), checked."""
+    def _check_job(self, job: TransferJob, digests: Iterable[bytes] | None
+                   ) -> tuple[list[bytes], list[int], list[bytes]]:
+        """The job's keys, slot ids and key digests, each iterated once (any iterable),
+        checked."""
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
         if self._arena is None:
@@ -700,99 +701,128 @@ class DiskTier:
         if isinstance(job.keys, (bytes, bytearray, memoryview, str)):
             raise TypeError(f"job {job_id}: keys must be a sequence of keys (bytes), not one "
                             f"{type(job.keys).__name__}: wrap a single key in a list")
-        keys = [_as_key(k) for k in job.keys]
+        keys = [k if type(k) is bytes else _as_key(k) for k in job.keys]
         if isinstance(job.slot_ids, (bytes, bytearray, memoryview, str)):
             raise TypeError(f"job {job_id}: slot_ids must be a sequence of ints, not one "
                             f"{type(job.slot_ids).__name__}")
-        slots = [as_int(s, f"job {job_id}: slot id") for s in job.slot_ids]
+        slots = job.slot_ids
+        slots = slots.tolist() if hasattr(slots, "tolist") else list(slots)  # (numpy: ints)
+        for i, s in enumerate(slots):
+            if type(s) is not int:
+                slots[i] = as_int(s, f"job {job_id}: slot id")
         if len(keys) != len(slots):
             raise ValueError(f"job {job_id}: {len(keys)} keys but {len(slots)} slot_ids")
         n = self._arena.num_slots
-        for s in slots:
-            if not 0 <= s < n:
-                raise ValueError(f"job {job_id}: slot {s} outside the arena (0..{n - 1})")
-        return keys, slots
+        if slots and not (0 <= min(slots) and max(slots) < n):
+            s = next(s for s in slots if not 0 <= s < n)
+            raise ValueError(f"job {job_id}: slot {s} outside the arena (0..{n - 1})")
+        if digests is None:
+            digests = [_blake2b(k, digest_size=16).digest() for k in keys]
+        else:
+            digests = list(digests)
+            if len(digests) != len(keys) or any(type(d) is not bytes or len(d) != 16 for d in digests):
+                raise ValueError(f"job {job_id}: digests must be one 16-byte key_digest per key")
+        return keys, slots, digests
 
-    def submit_load(self, job: TransferJob) -> None:
+    def submit_load(self, job: TransferJob, digests: Sequence[bytes] | None = None) -> None:
         """Loads ``job.keys`` into their arena slots. Returns at once; the result comes from
         :meth:`get_finished_jobs`. A key that is not a HIT fails (reported per key) without I/O.
+        ``digests``: the keys' :func:`~pykvtier.layout.key_digest`, one per key, where the
+        caller computed them already (else computed here).
         Raises ValueError/TypeError for a malformed job (nothing is submitted then), e.g. two
         keys into one slot (their reads would race, and each block's checksum is verified over
         the bytes in its slot)."""
-        keys, slots = self._check_job(job)
-        seen_slots: set[int] = set()
-        for s in slots:
-            if s in seen_slots:
-                raise ValueError(f"job {job.job_id}: slot {s} given twice; a load needs a slot per key")
-            seen_slots.add(s)
+        keys, slots, digests = self._check_job(job, digests)
+        if len(set(slots)) != len(slots):
+            seen: set[int] = set()
+            s = next(s for s in slots if s in seen or seen.add(s))
+            raise ValueError(f"job {job.job_id}: slot {s} given twice; a load needs a slot per key")
         pend = _Pending(job, True, keys, [], [], {})
-        entries = []
-        for key, slot in zip(keys, slots):
-            digest = key_digest(key)
-            e = self._index.get(digest)
-            if digest in self._failed:
-                pend.done[key] = "an earlier load of this block failed"
+        entries: list = []
+        index, failed, loading, done = self._index, self._failed, self._loading, pend.done
+        move, block_path, present = self._lru.move_to_end, self.layout.block_path, _State.PRESENT
+        base, stride, bs = self._arena.addr, self._arena.slot_bytes, self.block_size_bytes
+        for key, slot, digest in zip(keys, slots, digests):
+            if digest in failed:
+                done[key] = "an earlier load of this block failed"
                 continue
-            if e is None or e.state is not _State.PRESENT:
-                pend.done[key] = "not in the tier" if e is None else f"block is {e.state.name.lower()}"
+            e = index.get(digest)
+            if e is None or e.state is not present:
+                done[key] = "not in the tier" if e is None else f"block is {e.state.name.lower()}"
                 continue
             e.readers += 1
-            self._loading[digest] = self._loading.get(digest, 0) + 1
-            self._lru.move_to_end(digest)
+            loading[digest] = loading.get(digest, 0) + 1
+            move(digest)
             pend.keys.append(key)
             pend.digests.append(digest)
-            entries.append((self.layout.block_path(digest), self.block_size_bytes,
-                            self._arena.slot_addr(int(slot)), digest))
+            entries.append((block_path(digest), bs, base + slot * stride, digest))
         self._stats["loads_submitted"] += 1
         self._dispatch(pend, Op.READ_BLOCK, entries)
 
-    def submit_store(self, job: TransferJob) -> None:
+    def submit_store(self, job: TransferJob, digests: Sequence[bytes] | None = None) -> None:
         """Stores the arena slots of ``job.keys``. Returns at once. Keys already present (or
         being written) are skipped and count as stored; eviction makes room (see
         ``capacity_bytes``, ``min_free_bytes``); a key that cannot get room fails (reported per
         key). A key that meets a full file system (ENOSPC, EDQUOT) evicts as many blocks and is
-        written once more before the job is reported."""
-        keys, slots = self._check_job(job)
+        written once more before the job is reported. ``digests``: as for :meth:`submit_load`."""
+        keys, slots, digests = self._check_job(job, digests)
         pend = _Pending(job, False, keys, [], [], {})
-        entries = []
-        for key, slot in zip(keys, slots):
-            digest = key_digest(key)
-            e = self._index.get(digest)
+        entries: list = []
+        index, leftovers, done = self._index, self._leftover_digests, pend.done
+        failed, probe_misses = self._failed, self._probe_misses
+        block_path, tmp_path = self.layout.block_path, self.layout.tmp_path
+        base, stride, bs = self._arena.addr, self._arena.slot_bytes, self.block_size_bytes
+        fb, cap, removing = self.file_bytes, self.capacity_bytes, _State.REMOVING
+        self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
+        for key, slot, digest in zip(keys, slots, digests):
+            e = index.get(digest)
             if e is not None:  # (also the second of a key given twice in this job)
-                if e.state is _State.REMOVING:
-                    pend.done[key] = "block is being evicted"
+                if e.state is removing:
+                    done[key] = "block is being evicted"
                 else:
-                    pend.done[key] = None
+                    done[key] = None
                     self._stats["stores_skipped_present"] += 1
                 continue
-            if digest in self._leftover_digests:
-                pend.done[key] = "an earlier file of this block could not be removed yet"
+            if digest in leftovers:
+                done[key] = "an earlier file of this block could not be removed yet"
                 continue
-            room = self._reserve(recycle=True)
-            if room is False:
-                pend.done[key] = (
-                    "no capacity: every block is in use"
-                    if self.capacity_bytes is not None
-                    and self._used_bytes + self.file_bytes > self.capacity_bytes
-                    else f"no room: free space at {self.layout.root} is below min_free_bytes="
-                         f"{self.min_free_bytes} and every block is in use")
-                self._stats["capacity_rejections"] += 1
-                self._warn("stores refused", pend.done[key], self.layout.root)
-                continue
+            if ((cap is None or self._used_bytes + fb <= cap)
+                    and self._fs_free - self.min_free_bytes >= fb):  # room: _reserve's fast path
+                self._used_bytes += fb
+                self._fs_free -= fb
+                room: bool | bytes = True
+            else:
+                room = self._reserve(recycle=True)
+                if room is False:
+                    self._refuse_store(done, key)
+                    continue
             self._writing += 1
-            self._index[digest] = _Entry(_State.WRITING)
-            self._failed.discard(digest)
-            self._probe_misses.pop(digest, None)
+            index[digest] = _Entry(_State.WRITING)
+            if failed:
+                failed.discard(digest)
+            if probe_misses:
+                probe_misses.pop(digest, None)
             pend.keys.append(key)
             pend.digests.append(digest)
-            entry = (self.layout.tmp_path(digest), self.layout.block_path(digest),
-                     self.block_size_bytes, self._arena.slot_addr(int(slot)), digest)
-            if room is not True:  # an evicted block's file to reuse
+            if room is True:
+                entries.append((tmp_path(digest), block_path(digest), bs, base + slot * stride, digest))
+            else:  # an evicted block's file to reuse
                 pend.victims.append(room)
-                entry += (self.layout.block_path(room),)
-            entries.append(entry)
+                entries.append((tmp_path(digest), block_path(digest), bs, base + slot * stride, digest,
+                                block_path(room)))
         self._stats["stores_submitted"] += 1
         self._dispatch(pend, Op.WRITE_BLOCK, entries)
+
+    def _refuse_store(self, done: dict, key: bytes) -> None:
+        """A key that gets no room: failed, counted, warned about."""
+        done[key] = (
+            "no capacity: every block is in use"
+            if self.capacity_bytes is not None
+            and self._used_bytes + self.file_bytes > self.capacity_bytes
+            else f"no room: free space at {self.layout.root} is below min_free_bytes="
+                 f"{self.min_free_bytes} and every block is in use")
+        self._stats["capacity_rejections"] += 1
+        self._warn("stores refused", done[key], self.layout.root)
 
     def _submit(self, op: Any, entries: list) -> int:
         """Hands entries to the engine as one job; returns its engine job id."""

@@ -1117,3 +1117,38 @@ def test_shutdown_and_a_new_arena_let_go_of_the_old_memory(root, make_tier):
         second.close()
     tier.shutdown()
     second.close()
+
+
+def test_jobs_and_lookups_by_digest(root, make_tier, arena):
+    """submit_store/submit_load/lookup_digest/touch given the keys' digests act as by key; a
+    digest list that does not match the keys is refused before anything is submitted."""
+    tier = make_tier(root, capacity_bytes=3 * (BS + HEADER_BYTES))
+    a = arena(3, BS)
+    a[:] = np.random.default_rng(9).integers(0, 256, a.shape, dtype=np.uint8)
+    src = a.copy()
+    tier.set_arena(a)
+    keys = [b"d0", b"d1", b"d2"]
+    ds = [key_digest(k) for k in keys]
+    tier.submit_store(TransferJob(1, keys, [0, 1, 2]), ds)
+    tier.drain()
+    (r,) = tier.get_finished_jobs()
+    assert r.success and sorted(block_files(tier)) == sorted(tier.layout.block_path(d) for d in ds)
+    assert [tier.lookup_digest(d) for d in ds] == [LookupResult.HIT] * 3
+    assert tier.lookup_digest(key_digest(b"absent")) is LookupResult.MISS
+    assert tier.stats()["lookups"] == 4 and tier.stats()["hits"] == 3
+    for bad in (ds[:2], [b"short"] * 3, [k.decode() for k in keys]):
+        with pytest.raises(ValueError, match="job 2: digests must be one 16-byte key_digest per key"):
+            tier.submit_load(TransferJob(2, keys, [0, 1, 2]), bad)
+    assert not tier.has_pending_work() and tier.stats()["loads_submitted"] == 0
+    a[:] = 0
+    tier.submit_load(TransferJob(2, keys[::-1], [0, 1, 2]), ds[::-1])
+    tier.drain()
+    (r,) = tier.get_finished_jobs()
+    assert r.success and np.array_equal(a[::-1], src)
+    # the load used d2, d1, d0 in that order; touching d2 leaves d1 the least recently used
+    tier.touch((), digests=[ds[2]])
+    a[0] = 5
+    tier.submit_store(TransferJob(3, [b"d3"], [0]))
+    tier.drain()
+    assert tier.get_finished_jobs()[0].success
+    assert [tier.lookup(k) for k in keys] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]

@@ -508,7 +508,8 @@ def test_cascade_evict_promote_bytes_exact(root, stack, nroots):
     if nroots > 1:  # sharded by key digest: every root holds some, each key in its own shard
         assert all(glob.glob(f"{ns}/blocks/*/*") for ns in s.tier.namespace_dirs)
         for k in ka + kb:
-            assert path_of(s.tier, k).startswith(s.tier.namespace_dirs[s.tier._shard(k)])
+            shard = int.from_bytes(key_digest(k)[:8], "little") % nroots  # the documented rule
+            assert path_of(s.tier, k).startswith(s.tier.namespace_dirs[shard])
 
     c = s.request("C")
     assert s.lookup(c, ka) == [HIT_PENDING] * 8  # promotions started (allocated in the primary)
@@ -975,3 +976,35 @@ def test_stats_aggregate_through_the_manager(root, stack):
         reduced = s.m.get_stats().reduce()
     assert reduced[f"{PyKVTierMetrics.WRITE_BYTES}:{(root,)}"] == 4 * BLOCK
     assert reduced["vllm:kv_offload_tiering_write_bytes:('1:PyKVTier',)"] == 4 * BLOCK
+
+
+def test_each_key_is_hashed_once_per_call_across_shards(root, make_tier, monkeypatch):
+    """With several roots the adapter computes a key's digest once per call and hands it to
+    the shard's DiskTier (which then hashes nothing): lookups, stores, loads and touches."""
+    import pykvtier.integrations.vllm as adapter
+    import pykvtier.tier as tier_mod
+
+    tier, arr = make_tier(tier_config([os.path.join(root, "a"), os.path.join(root, "b")]))
+    keys = [key(i) for i in range(6)]
+    fill(arr, keys, range(6))
+    calls = []
+    real = adapter.key_digest
+    monkeypatch.setattr(adapter, "key_digest", lambda k: calls.append(k) or real(k))
+
+    def no_hash(*a, **kw):
+        raise AssertionError("DiskTier hashed a key the adapter had hashed")
+
+    monkeypatch.setattr(tier_mod, "_blake2b", no_hash)
+    monkeypatch.setattr(tier_mod, "key_digest", no_hash)
+    assert all(r.success for r in run(tier, job(1, keys, range(6), False)).values())
+    assert calls == keys
+    calls.clear()
+    ctx = ReqContext("r")
+    assert [tier.lookup(k, ctx) for k in keys] == [HIT] * 6 and calls == keys
+    calls.clear()
+    tier.touch(keys[:2], ctx)
+    assert calls == keys[:2]
+    calls.clear()
+    arr[:] = 0
+    assert all(r.success for r in run(tier, job(2, keys, range(6), True)).values())
+    assert calls == keys and [arr[i].tobytes() for i in range(6)] == [payload(k) for k in keys]

@@ -497,20 +497,27 @@ class PyKVTier(SecondaryTierManager):
 
     # ------------------------------------------------------------------ phase 1
 
-    def _shard(self, key: bytes) -> int:
-        return int.from_bytes(key_digest(key)[:8], "little") % len(self._tiers)
+    def _shard(self, digest: bytes) -> int:
+        """The shard of the key whose key_digest is ``digest``."""
+        return int.from_bytes(digest[:8], "little") % len(self._tiers)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT, MISS or RETRY from the in-memory index; never blocks (see DiskTier.lookup)."""
-        tier = self._single or self._tiers[self._shard(key)]
-        return _LOOKUP[tier.lookup(key)]
+        if self._single is not None:
+            return _LOOKUP[self._single.lookup(key)]
+        d = key_digest(key)  # once: the shard and the tier's index
+        return _LOOKUP[self._tiers[self._shard(d)].lookup_digest(d)]
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self._single is not None:
             self._single.touch(keys)
             return
-        for i, part in self._split(keys).items():
-            self._tiers[i].touch(part)
+        parts: dict[int, list[bytes]] = {}
+        for k in keys:
+            d = key_digest(k)
+            parts.setdefault(self._shard(d), []).append(d)
+        for i, ds in parts.items():
+            self._tiers[i].touch((), digests=ds)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -521,12 +528,6 @@ class PyKVTier(SecondaryTierManager):
             tier.on_step_end()
 
     # ------------------------------------------------------------------ phase 2
-
-    def _split(self, keys: Iterable[bytes]) -> dict[int, list[bytes]]:
-        parts: dict[int, list[bytes]] = {}
-        for k in keys:
-            parts.setdefault(self._shard(k), []).append(k)
-        return parts
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, is_load=False)
@@ -549,18 +550,20 @@ class PyKVTier(SecondaryTierManager):
             self._ready.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
             return
         if self._single is not None:
-            parts = {0: (keys, rows)}
-        else:
+            parts = {0: (keys, rows, None)}
+        else:  # each key's digest once: its shard, then the tier's index and file name
             parts = {}
             for k, r in zip(keys, rows):
-                ks, rs = parts.setdefault(self._shard(k), ([], []))
+                d = key_digest(k)
+                ks, rs, ds = parts.setdefault(self._shard(d), ([], [], []))
                 ks.append(k)
                 rs.append(r)
+                ds.append(d)
         state = _Job(job.job_id, is_load, {})
         submit = DiskTier.submit_load if is_load else DiskTier.submit_store
-        for i, (ks, rs) in parts.items():
+        for i, (ks, rs, ds) in parts.items():
             try:
-                submit(self._tiers[i], TierTransferJob(job.job_id, ks, rs))
+                submit(self._tiers[i], TierTransferJob(job.job_id, ks, rs), ds)
             except Exception as exc:  # noqa: BLE001 - reported as the keys' failure
                 logger.error("pykvtier: %s job %d (%d keys) not submitted to %s: %s",
                              "load" if is_load else "store", job.job_id, len(ks),
