@@ -138,12 +138,10 @@ class ParentDir {
     if (!no_links) {
       fd_ = AT_FDCWD;
       name_ = path;
-      dir_.clear();
       return 0;
     }
-    dir_ = dir_of(path);
     name_ = base_of(path);
-    fd_ = open_no_links(dir_, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    fd_ = open_no_links(dir_of(path), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (fd_ < 0) {
       const int e = errno;
       fd_ = -1;
@@ -154,7 +152,6 @@ class ParentDir {
   }
   int fd() const { return fd_; }
   const char* name() const { return name_.c_str(); }
-  const std::string& dir() const { return dir_; }  // "" when not no_links
   void reset() {
     if (own_ && fd_ >= 0) ::close(fd_);
     own_ = false;
@@ -164,7 +161,7 @@ class ParentDir {
  private:
   int fd_ = -1;
   bool own_ = false;
-  std::string dir_, name_;
+  std::string name_;
 };
 
 // The process umask, from /proc/self/status (reading it with umask(2) would change it for

@@ -45,11 +45,6 @@ void register_job_types(py::module_& m) {
   block_error.attr("__module__") = m.attr("__name__");
   block_error.attr("__doc__") = "Results beyond the errno range: a block file that failed its checks.";
   m.attr("BlockError") = block_error;
-  m.attr("ERR_SHORT") = kErrShort;
-  m.attr("ERR_BAD_HEADER") = kErrBadHeader;
-  m.attr("ERR_KEY_MISMATCH") = kErrKeyMismatch;
-  m.attr("ERR_LENGTH") = kErrLength;
-  m.attr("ERR_CHECKSUM") = kErrChecksum;
   py::tuple keys(std::size(kStatsKeys));
   for (size_t i = 0; i < std::size(kStatsKeys); ++i) keys[i] = py::str(kStatsKeys[i]);
   m.attr("STATS_KEYS") = keys;
@@ -94,6 +89,11 @@ one per entry: bytes moved, -errno, or a BlockError value), submits (int), queue
 // The block format's constants and parser.
 void register_block_format(py::module_& m) {
   m.attr("HEADER_BYTES") = kHeaderBytes;
+  m.attr("ERR_SHORT") = kErrShort;
+  m.attr("ERR_BAD_HEADER") = kErrBadHeader;
+  m.attr("ERR_KEY_MISMATCH") = kErrKeyMismatch;
+  m.attr("ERR_LENGTH") = kErrLength;
+  m.attr("ERR_CHECKSUM") = kErrChecksum;
   m.attr("FORMAT_VERSION") = kFormatV1;
   py::tuple versions(std::size(kFormatVersions));
   for (size_t i = 0; i < std::size(kFormatVersions); ++i) versions[i] = kFormatVersions[i];
@@ -141,14 +141,8 @@ const char* kSubmitDoc =
     "address/length/offset (direct=True) or a bad keyword, before anything is queued;\n"
     "RuntimeError after shutdown().";
 
-}  // namespace
-
-PYBIND11_MODULE(_native, m) {
-  m.doc() = "pykvtier's C++ data path: batched block I/O over io_uring (liburing) or plain system calls.";
-  m.attr("CHECKSUM_IMPL") = payload_xxh3_impl();
-  register_job_types(m);
-  register_block_format(m);
-
+// Checksums and the O_DIRECT probe.
+void register_checksums_and_direct_probe(py::module_& m) {
   m.def(
       "xxh3_64",
       [](py::buffer b) {
@@ -195,7 +189,10 @@ PYBIND11_MODULE(_native, m) {
       [](bool disabled) { openat2_disabled_for_tests() = disabled; },
       py::arg("disabled"),
       "Tests only: the posix engine opens as on a kernel without openat2 (the component walk).");
+}
 
+// The io_uring capability probe (doctor), the gds build record, the device kernel's reference.
+void register_probes(py::module_& m) {
   m.def(
       "probe_uring",
       [](const std::string& dir) {
@@ -248,7 +245,9 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("buffer"),
       "XXH3-64 through the 8-lane formulation the GPU checksum kernel uses (host reference, for tests).");
+}
 
+void register_uring_engine(py::module_& m) {
   auto cls = py::class_<UringEngine>(m, "Engine", R"doc(
 Batched block I/O over io_uring.
 
@@ -305,7 +304,9 @@ reported; a failed directory fsync fails the entries renamed into it.
       .def_property_readonly("queue_depth", [](UringEngine& e) { return e.config().queue_depth; })
       .def_property_readonly("max_inflight_bytes", [](UringEngine& e) { return e.config().max_inflight_bytes; });
   python::def_engine(cls, EngineTraits{}, &mode_needs_fix, no_check, kSubmitDoc);
+}
 
+void register_posix_engine(py::module_& m) {
   auto posix = py::class_<PosixEngine>(m, "PosixEngine", R"doc(
 Batched block I/O by plain system calls (open, preadv/pwritev, renameat2) on a thread pool:
 the engine for machines where io_uring is refused (a container's seccomp profile,
@@ -343,4 +344,18 @@ walking the path with O_NOFOLLOW where the kernel has no openat2).
       .def_property_readonly("max_inflight_bytes", [](PosixEngine& e) { return e.config().max_inflight_bytes; })
       .def_property_readonly("threads", &PosixEngine::threads);
   python::def_engine(posix, EngineTraits{}, &mode_needs_fix, no_check, kSubmitDoc);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "pykvtier's C++ data path: batched block I/O over io_uring (liburing) or plain system calls.";
+  m.attr("CHECKSUM_IMPL") = payload_xxh3_impl();
+  register_job_types(m);
+  register_block_format(m);
+
+  register_checksums_and_direct_probe(m);
+  register_probes(m);
+  register_uring_engine(m);
+  register_posix_engine(m);
 }
