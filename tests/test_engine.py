@@ -999,3 +999,14 @@ def test_parse_header_refuses_damaged_headers():
     unknown_flags += struct.pack("<Q", _native.xxh3_64(np.frombuffer(unknown_flags, np.uint8)))
     h = _native.parse_header(unknown_flags)
     assert (h["version"], h["flags"], h["header_ok"]) == (2, 2, False)  # a flag this reader does not know
+
+
+def test_block_name_is_layouts():
+    from pykvtier.layout import Layout
+
+    digest = key_digest(b"named")
+    assert _native.block_name(digest) == f"{digest.hex()[:2]}/{digest.hex()}.kvb"
+    assert Layout.digest_from_name(_native.block_name(digest).split("/")[1]) == digest
+    assert _native.block_name(bytes(range(16))) == "00/000102030405060708090a0b0c0d0e0f.kvb"
+    with pytest.raises(ValueError, match="key digest must be 16 bytes, got 3"):
+        _native.block_name(b"abc")

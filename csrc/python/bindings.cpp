@@ -126,6 +126,18 @@ void register_block_format(py::module_& m) {
       "(False: stored without one, verify=\"header\"), header_ok (magic, a known version, header\n"
       "size, known flags and the header's own checksum right). Never raises for short or garbage\n"
       "input: header_ok is False then.");
+  m.def(
+      "block_name",
+      [](const py::bytes& digest) {
+        const std::string d = digest;
+        if (d.size() != kDigestBytes)
+          throw py::value_error("key digest must be " + std::to_string(kDigestBytes) + " bytes, got " +
+                                std::to_string(d.size()));
+        return block_name(reinterpret_cast<const uint8_t*>(d.data()));
+      },
+      py::arg("digest"),
+      "A block file's name under the root's blocks/ directory: '<2 hex>/<32 hex>.kvb' of the\n"
+      "16-byte key digest (ValueError for another length).");
   m.def("result_text", &detail::result_text, py::arg("result"),
         "A request's result as text: 'ok (N bytes)', an errno's name and message, or what a\n"
         "BlockError value means.");

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #ifndef XXH_INLINE_ALL
 #define XXH_INLINE_ALL
@@ -154,6 +155,20 @@ inline int64_t check_block_header(const char* hdr, const uint8_t* key_digest, ui
   if (std::memcmp(out->key_digest, key_digest, kDigestBytes) != 0) return kErrKeyMismatch;
   if (out->payload_bytes != payload_bytes) return kErrLength;
   return 0;
+}
+
+// A block file's name under the root's blocks/ directory: "<first two hex digits>/<32 hex
+// digits of key_digest>.kvb" (pykvtier.layout's block_path; a store's temporary is that name
+// plus ".tmp.<pid>.<sequence>").
+inline constexpr char kBlockSuffix[] = ".kvb";
+inline std::string block_name(const uint8_t* key_digest) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex(2 * kDigestBytes, '0');
+  for (size_t i = 0; i < kDigestBytes; ++i) {
+    hex[2 * i] = kHex[key_digest[i] >> 4];
+    hex[2 * i + 1] = kHex[key_digest[i] & 15];
+  }
+  return hex.substr(0, 2) + "/" + hex + kBlockSuffix;
 }
 
 }  // namespace pykvtier
