@@ -27,7 +27,7 @@ who goes first. Ratios are PyKVTier / vLLM fs; targets (from the issue): latency
 blocks per job <= 0.5x, CPU-s/GiB <= 1/3, bandwidth >= 1x.
 
 Bounds, printed after the targets: the CPU-s/GiB of XXH3 over cold memory (the payload check
-DESIGN.md asks of every load, so the least CPU any conforming load can take), and, when both
+docs/design.md asks of every load, so the least CPU any conforming load can take), and, when both
 tiers keep the device busy, the best p50/p99 ratio left by finishing a step's jobs in order
 instead of together at the measured throughput ratio.
 
@@ -424,7 +424,7 @@ def verdict(results: list[dict]) -> list[str]:
 
 def verification_floor(block: int, total: int = 1 << 30) -> float:
     """CPU-s/GiB of XXH3 over ``total`` bytes of cold memory in ``block``-sized pieces: the
-    payload check DESIGN.md requires of every load (pykvtier's own xxh3, the one its engine
+    payload check docs/design.md requires of every load (pykvtier's own xxh3, the one its engine
     calls). The buffer is 32x this machine's last-level cache or more, so every byte comes from
     DRAM as it does after a DMA; measured on this thread's CPU clock."""
     from pykvtier import _native
@@ -651,7 +651,7 @@ def main() -> None:
         print("  " + line)
     floors = {b: verification_floor(b) for b in blocks}
     print("\nbounds on this machine (same run): the payload check every PyKVTier load makes "
-          "(DESIGN.md), and the best latency ratio when both tiers keep the device busy:")
+          "(docs/design.md), and the best latency ratio when both tiers keep the device busy:")
     for line in bounds(results, floors):
         print("  " + line)
     print("\nthe issue's bounds, measured in this run (printed, not asserted):")

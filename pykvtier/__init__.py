@@ -2,7 +2,7 @@
 
 Blocks are stored to and loaded from a POSIX directory (NVMe) through a C++ io_uring engine,
 with a two-phase API: :meth:`DiskTier.lookup` (never blocks) and batched jobs
-(:meth:`DiskTier.submit_load` / :meth:`DiskTier.submit_store`). See DESIGN.md.
+(:meth:`DiskTier.submit_load` / :meth:`DiskTier.submit_store`). See docs/design.md.
 """
 
 try:

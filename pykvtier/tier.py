@@ -575,7 +575,7 @@ class DiskTier:
 
     def lookup(self, key: bytes) -> LookupResult:
         """Is ``key``'s block here? Never blocks (microseconds); see :class:`LookupResult`.
-        Semantics as DESIGN.md's table and vLLM's SecondaryTierManager.lookup, plus HIT_PENDING
+        Semantics as docs/design.md's table and vLLM's SecondaryTierManager.lookup, plus HIT_PENDING
         for a block whose load is in flight. TypeError for a key that is not bytes."""
         return self.lookup_digest(_blake2b(key if type(key) is bytes else _as_key(key),
                                            digest_size=16).digest())

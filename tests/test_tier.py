@@ -1,6 +1,6 @@
 """DiskTier (phase 1 lookup, phase 2 load/store, integrity, recovery, capacity) and Promoter.
 
-One test per row of DESIGN.md's lookup table, then promotion, integrity and recovery, capacity
+One test per row of docs/design.md's lookup table, then promotion, integrity and recovery, capacity
 and bad input. Completion is awaited with ``drain()`` and collected with
 ``get_finished_jobs()``; no sleeps. The tier answers from its own bookkeeping, which only
 ``get_finished_jobs()`` (or ``drain()`` for probes) advances, so the RETRY / HIT_PENDING states

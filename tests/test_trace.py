@@ -157,7 +157,7 @@ def test_preset_kv_bytes_per_token_exact():
 
 
 def test_block_size_bytes_exact():
-    assert models.block_size_bytes("llama-3-8b", 16) == 2 * 1024 * 1024  # DESIGN.md's example
+    assert models.block_size_bytes("llama-3-8b", 16) == 2 * 1024 * 1024  # docs/design.md's example
     assert models.block_size_bytes("qwen2.5-7b", 32) == 1835008  # 1.75 MiB
     assert models.block_size_bytes("llama-3-70b", 512) == 327680 * 512
     assert models.block_size_bytes(models.get_preset("tiny"), 64) == 16384
