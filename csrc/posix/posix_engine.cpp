@@ -73,7 +73,7 @@ void PosixEngine::submit(std::unique_ptr<Job> job) {
 void PosixEngine::job_done_locked(Job* job, std::unique_lock<std::mutex>& lk) {
   if (job->fsync) {
     lk.unlock();
-    sync_dirs(*job);
+    detail::sync_renamed_dirs(*job, stats_);
     lk.lock();
   }
   job->end_time = monotonic_seconds();
@@ -118,22 +118,6 @@ void PosixEngine::thread_main() {
   }
   lk.unlock();
   free(hdr);
-}
-
-void PosixEngine::sync_dirs(Job& job) {
-  const std::vector<std::string> dirs = detail::renamed_dirs(job);
-  std::vector<int> err(dirs.size(), 0);
-  for (size_t i = 0; i < dirs.size(); ++i) {
-    const int fd = detail::open_dir_for_sync(dirs[i], op_is_block(job.op));
-    if (fd < 0) {
-      err[i] = fd;
-      continue;
-    }
-    stats_.dir_fsyncs++;
-    if (::fsync(fd) != 0) err[i] = -errno;
-    ::close(fd);
-  }
-  detail::apply_dir_errors(job, dirs, err, stats_);
 }
 
 void PosixEngine::execute(const Job& job, Request& r, char* hdr) {

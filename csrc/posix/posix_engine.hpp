@@ -56,7 +56,6 @@ class PosixEngine final : public detail::JobQueue {
   int64_t recycle_write(const Job& job, const Request& r, char* hdr);
   bool put_back(const ParentDir& t, const ParentDir& v, const Request& r, mode_t mode);
   void remove_temporary(const ParentDir& d, const Request& r);
-  void sync_dirs(Job& job);  // fsync=True: each distinct directory of the job's renames
 
   PosixEngineConfig cfg_;
   unsigned nthreads_ = 1;
