@@ -1,0 +1,1 @@
+// (stub: the block index to come)
