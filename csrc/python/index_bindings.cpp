@@ -1,8 +1,193 @@
-// (stub: filled in by its owner this session)
+// pykvtier._native.BlockIndex: include/pykvtier/block_index.hpp for DiskTier. Digests cross as
+// bytes (16) or, for a batch, one buffer of n*16 bytes; codes come back as ints (Answer, Admit,
+// BlockState) or one bytes object of n codes.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "key_digest.hpp"
 #include "module_parts.hpp"
+#include "pykvtier/block_index.hpp"
+
+namespace py = pybind11;
 
 namespace pykvtier::python {
 
-void register_block_index(pybind11::module_&) {}
+namespace {
+
+// A tier's index and whether the tier is shut down (then lookups raise).
+struct PyBlockIndex {
+  BlockIndex index;
+  bool closed = false;
+  explicit PyBlockIndex(bool unknown_is_miss) : index(unknown_is_miss) {}
+};
+
+std::string type_name(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
+
+// One digest: bytes of kDigestBytes.
+const uint8_t* one_digest(py::handle h) {
+  if (!PyBytes_Check(h.ptr())) throw py::type_error("digest must be bytes, not " + type_name(h));
+  if (PyBytes_GET_SIZE(h.ptr()) != Py_ssize_t(kDigestBytes))
+    throw py::value_error("digest must be " + std::to_string(kDigestBytes) + " bytes, got " +
+                          std::to_string(PyBytes_GET_SIZE(h.ptr())));
+  return reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(h.ptr()));
+}
+
+// A batch of digests: a contiguous buffer of n * kDigestBytes bytes (n may be 0).
+struct Digests {
+  py::buffer_info info;
+  const uint8_t* data = nullptr;
+  size_t n = 0;
+  explicit Digests(py::handle h) {
+    if (!PyObject_CheckBuffer(h.ptr()))
+      throw py::type_error("digests must be a buffer of 16-byte digests (bytes), not " + type_name(h));
+    info = py::reinterpret_borrow<py::buffer>(h).request();
+    const size_t bytes = size_t(info.size) * size_t(info.itemsize);
+    if (bytes % kDigestBytes)
+      throw py::value_error("digests: " + std::to_string(bytes) + " bytes is not a multiple of " +
+                            std::to_string(kDigestBytes));
+    data = static_cast<const uint8_t*>(info.ptr);
+    n = bytes / kDigestBytes;
+  }
+};
+
+py::object codes_or_none(const std::string& codes, size_t ok) {
+  if (ok == codes.size()) return py::none();
+  return py::bytes(codes);
+}
+
+int lookup_key(PyBlockIndex& self, py::handle key) {
+  if (self.closed) throw std::runtime_error("DiskTier is shut down");
+  uint8_t d[kDigestBytes];
+  PyObject* k = key.ptr();
+  if (PyBytes_CheckExact(k)) {
+    detail::key_digest(PyBytes_AS_STRING(k), size_t(PyBytes_GET_SIZE(k)), d);
+  } else if (PyObject_CheckBuffer(k) && !PyUnicode_Check(k)) {
+    py::buffer_info b = py::reinterpret_borrow<py::buffer>(key).request();
+    detail::key_digest(b.ptr, size_t(b.size) * size_t(b.itemsize), d);
+  } else {
+    throw py::type_error("key must be bytes, not " + type_name(key));
+  }
+  return int(self.index.lookup(d));
+}
+
+}  // namespace
+
+void register_block_index(py::module_& m) {
+  py::class_<PyBlockIndex>(m, "BlockIndex", R"doc(
+The block index of one tier root (include/pykvtier/block_index.hpp): each key digest's state
+(BlockState: 0 absent, 1 present, 2 writing, 3 removing, 4 failed: a tombstone, MISS until stored
+again), loads reading it, a failed mark, and least-recently-used order of present blocks. Lookups
+answer pykvtier.tier.LookupResult's order (0 HIT, 1 MISS, 2 RETRY, 3 HIT_PENDING) or 4 (unknown: not
+indexed, where unknown_is_miss is False). Batches take digests as one buffer of n*16 bytes; admit_*
+give one code per key (bytes), or None when every key was admitted (Admit: 0 ok, 1 failed, 2 absent,
+3 writing, 4 removing, 5 present, 6 needs room). Not thread-safe: the tier's calling thread only.
+TypeError/ValueError for a digest that is not 16 bytes.)doc")
+      .def(py::init<bool>(), py::arg("unknown_is_miss"))
+      .def("lookup", [](PyBlockIndex& self, py::handle digest) {
+             if (self.closed) throw std::runtime_error("DiskTier is shut down");
+             return int(self.index.lookup(one_digest(digest)));
+           }, py::arg("digest"), "Answer for a key digest (counted; 4 = unknown is not).")
+      .def("lookup_key", &lookup_key, py::arg("key"),
+           "lookup() of key's digest (BLAKE2b-16 of the key: bytes or a buffer; TypeError otherwise).")
+      .def("count", [](PyBlockIndex& self, int answer) {
+             if (answer < 0 || answer > 3) throw py::value_error("answer must be 0..3");
+             self.index.count(Answer(answer));
+           }, py::arg("answer"), "Counts a lookup answered outside the index (a probe's answer).")
+      .def("counts", [](PyBlockIndex& self) {
+             const LookupCounts& c = self.index.counts();
+             py::dict d;
+             d["lookups"] = c.lookups;
+             d["hits"] = c.hits;
+             d["misses"] = c.misses;
+             d["retries"] = c.retries;
+             d["hit_pending"] = c.hit_pending;
+             return d;
+           }, "Lookups counted: a dict of lookups, hits, misses, retries, hit_pending.")
+      .def("close", [](PyBlockIndex& self) { self.closed = true; },
+           "From now on lookup() and lookup_key() raise RuntimeError (the tier is shut down).")
+      .def("state", [](PyBlockIndex& self, py::handle d) { return int(self.index.state(one_digest(d))); },
+           py::arg("digest"))
+      .def("readers", [](PyBlockIndex& self, py::handle d) { return self.index.readers(one_digest(d)); },
+           py::arg("digest"), "Loads in flight reading the block.")
+      .def("failed", [](PyBlockIndex& self, py::handle d) { return self.index.failed(one_digest(d)); },
+           py::arg("digest"))
+      .def("__len__", [](PyBlockIndex& self) { return self.index.size(); },
+           "Blocks indexed: present, writing or removing.")
+      .def("__contains__", [](PyBlockIndex& self, py::handle d) {
+             const BlockState s = self.index.state(one_digest(d));
+             return s == BlockState::Present || s == BlockState::Writing || s == BlockState::Removing;
+           }, py::arg("digest"), "Whether the digest is indexed (present, writing or removing).")
+      .def("admit_loads", [](PyBlockIndex& self, py::handle digests) {
+             Digests ds(digests);
+             std::string codes(ds.n, '\0');
+             const size_t ok = self.index.admit_loads(ds.data, ds.n, reinterpret_cast<uint8_t*>(codes.data()));
+             return codes_or_none(codes, ok);
+           }, py::arg("digests"),
+           "Admits loads: a present block not failed gets one more reader and becomes the most\n"
+           "recently used. Codes per key (bytes), or None when all were admitted.")
+      .def("finish_loads", [](PyBlockIndex& self, py::handle digests) {
+             Digests ds(digests);
+             return self.index.finish_loads(ds.data, ds.n);
+           }, py::arg("digests"),
+           "One reader less per digest; returns how many failed blocks were dropped (left unread).")
+      .def("mark_failed", [](PyBlockIndex& self, py::handle d) { return self.index.mark_failed(one_digest(d)); },
+           py::arg("digest"), "Marks a block failed (MISS until stored again); True if newly marked.")
+      .def("drop_failed", [](PyBlockIndex& self, py::handle d) { return self.index.drop_failed(one_digest(d)); },
+           py::arg("digest"), "A failed present block without readers is dropped; True if it was.")
+      .def("set_removing", [](PyBlockIndex& self, py::handle d) { return self.index.set_removing(one_digest(d)); },
+           py::arg("digest"), "A present block without readers becomes removing; True if it did.")
+      .def("admit_stores", [](PyBlockIndex& self, py::handle digests, size_t max_new) {
+             Digests ds(digests);
+             std::string codes(ds.n, '\0');
+             const size_t n = self.index.admit_stores(ds.data, ds.n, max_new, reinterpret_cast<uint8_t*>(codes.data()));
+             return py::make_tuple(n, codes_or_none(codes, n));
+           }, py::arg("digests"), py::arg("max_new"),
+           "Admits stores: new blocks (the first max_new) become writing. Returns (inserted, codes\n"
+           "per key or None when every key was inserted).")
+      .def("insert_writing", [](PyBlockIndex& self, py::handle d) { return self.index.insert_writing(one_digest(d)); },
+           py::arg("digest"))
+      .def("finish_stores", [](PyBlockIndex& self, py::handle digests, const std::vector<int64_t>& results) {
+             Digests ds(digests);
+             if (results.size() != ds.n)
+               throw py::value_error(std::to_string(ds.n) + " digests but " + std::to_string(results.size()) + " results");
+             return self.index.finish_stores(ds.data, ds.n, results.data());
+           }, py::arg("digests"), py::arg("results"),
+           "Writing blocks whose result is >= 0 become present (most recently used); returns how many.")
+      .def("erase_writing", [](PyBlockIndex& self, py::handle d) { return self.index.erase_writing(one_digest(d)); },
+           py::arg("digest"))
+      .def("add_present", [](PyBlockIndex& self, py::handle d) { return self.index.add_present(one_digest(d)); },
+           py::arg("digest"), "A block found on disk: present unless indexed or failed; True if added.")
+      .def("take_victims", [](PyBlockIndex& self, size_t n, py::object keep) {
+             std::unordered_set<Digest, DigestHash> k;
+             if (!keep.is_none())
+               for (py::handle d : keep) k.insert(Digest::of(one_digest(d)));
+             std::vector<uint8_t> out;
+             const size_t got = self.index.take_victims(n, k, out);
+             py::list l(got);
+             for (size_t i = 0; i < got; ++i)
+               l[i] = py::bytes(reinterpret_cast<const char*>(out.data() + i * kDigestBytes), kDigestBytes);
+             return l;
+           }, py::arg("n"), py::arg("keep") = py::none(),
+           "Up to n least recently used present blocks without readers (none of keep: digests)\n"
+           "become removing; their digests (list of bytes), oldest first.")
+      .def("forget_removed", [](PyBlockIndex& self, py::handle d) { return self.index.forget_removed(one_digest(d)); },
+           py::arg("digest"))
+      .def("restore", [](PyBlockIndex& self, py::handle d) { return self.index.restore(one_digest(d)); },
+           py::arg("digest"), "A removing block is present again, least recently used; True if it was removing.")
+      .def("touch", [](PyBlockIndex& self, py::handle digests) {
+             Digests ds(digests);
+             self.index.touch(ds.data, ds.n);
+           }, py::arg("digests"), "Present blocks among the digests become the most recently used.")
+      .def("lru_order", [](PyBlockIndex& self) {
+             const std::vector<uint8_t> v = self.index.lru_order();
+             py::list l(v.size() / kDigestBytes);
+             for (size_t i = 0; i < v.size() / kDigestBytes; ++i)
+               l[i] = py::bytes(reinterpret_cast<const char*>(v.data() + i * kDigestBytes), kDigestBytes);
+             return l;
+           }, "Present blocks' digests, least recently used first (list of bytes).");
+}
 
 }  // namespace pykvtier::python
