@@ -80,8 +80,8 @@ void register_block_index(py::module_& m) {
 The block index of one tier root (include/pykvtier/block_index.hpp): each key digest's state
 (BlockState: 0 absent, 1 present, 2 writing, 3 removing, 4 failed: a tombstone, MISS until stored
 again), loads reading it, a failed mark, and least-recently-used order of present blocks. Lookups
-answer pykvtier.tier.LookupResult's order (0 HIT, 1 MISS, 2 RETRY, 3 HIT_PENDING) or 4 (unknown: not
-indexed, where unknown_is_miss is False). Batches take digests as one buffer of n*16 bytes; admit_*
+answer 0 HIT, 1 MISS, 2 RETRY, 3 HIT_PENDING (pykvtier.tier.LookupResult's members) or 4 (unknown:
+not indexed, where unknown_is_miss is False). Batches take digests as one buffer of n*16 bytes; admit_*
 give one code per key (bytes), or None when every key was admitted (Admit: 0 ok, 1 failed, 2 absent,
 3 writing, 4 removing, 5 present, 6 needs room). Not thread-safe: the tier's calling thread only.
 TypeError/ValueError for a digest that is not 16 bytes.)doc")
@@ -116,6 +116,8 @@ TypeError/ValueError for a digest that is not 16 bytes.)doc")
            py::arg("digest"))
       .def("__len__", [](PyBlockIndex& self) { return self.index.size(); },
            "Blocks indexed: present, writing or removing.")
+      .def_property_readonly("present", [](PyBlockIndex& self) { return self.index.present(); },
+                             "Present blocks (loadable, or failed and still read).")
       .def("__contains__", [](PyBlockIndex& self, py::handle d) {
              const BlockState s = self.index.state(one_digest(d));
              return s == BlockState::Present || s == BlockState::Writing || s == BlockState::Removing;

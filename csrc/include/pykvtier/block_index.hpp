@@ -43,7 +43,8 @@ enum class BlockState : uint8_t {
   Failed = 4,    // not indexed; a load of it failed: MISS until stored again (a tombstone)
 };
 
-// pykvtier.tier.LookupResult's order, plus Unknown: not indexed (a shared tier probes it).
+// A lookup's answer (pykvtier.tier.LookupResult's members), plus Unknown: not indexed (a shared
+// tier probes it).
 enum class Answer : uint8_t { Hit = 0, Miss = 1, Retry = 2, HitPending = 3, Unknown = 4 };
 
 // Per key of admit_loads / admit_stores.
@@ -78,6 +79,7 @@ class BlockIndex {
   uint32_t readers(const uint8_t* digest) const;
   bool failed(const uint8_t* digest) const;  // marked failed (indexed or a tombstone)
   size_t size() const { return blocks_; }    // Present + Writing + Removing blocks
+  size_t present() const { return lru_.size(); }  // Present blocks
 
   // --- loads
   // For each of n digests (kDigestBytes each, back to back) writes an Admit code; an admitted
