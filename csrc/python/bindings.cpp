@@ -11,6 +11,7 @@
 #include "engine_bindings.hpp"
 #include "file_ops.hpp"
 #include "gds_build_info.hpp"
+#include "module_parts.hpp"
 #include "posix_engine.hpp"
 #include "safe_path.hpp"
 #include "uring_engine.hpp"
@@ -370,4 +371,7 @@ PYBIND11_MODULE(_native, m) {
   register_probes(m);
   register_uring_engine(m);
   register_posix_engine(m);
+  python::register_key_digest(m);
+  python::register_block_space(m);
+  python::register_block_index(m);
 }
