@@ -1,0 +1,136 @@
+"""pykvtier._native.BlockIndex: the tier's per-key state machine, exact codes and counts."""
+
+import hashlib
+
+import pytest
+
+from pykvtier import _native
+
+HIT, MISS, RETRY, HIT_PENDING, UNKNOWN = range(5)
+ABSENT, PRESENT, WRITING, REMOVING, FAILED = range(5)
+OK, A_FAILED, A_ABSENT, A_WRITING, A_REMOVING, A_PRESENT, NEEDS_ROOM = range(7)
+
+
+def d(i: int) -> bytes:
+    return hashlib.blake2b(b"key-%d" % i, digest_size=16).digest()
+
+
+def stored(index, *ids):
+    buf = b"".join(d(i) for i in ids)
+    n, codes = index.admit_stores(buf, len(ids))
+    assert (n, codes) == (len(ids), None)
+    assert index.finish_stores(buf, [1] * len(ids)) == len(ids)
+
+
+def test_store_then_lookup_and_load_states():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    assert ix.lookup(d(1)) == MISS
+    n, codes = ix.admit_stores(d(1) + d(2), 2)
+    assert (n, codes) == (2, None)
+    assert ix.state(d(1)) == WRITING and ix.lookup(d(1)) == RETRY
+    assert len(ix) == 2 and ix.present == 0
+    assert ix.finish_stores(d(1) + d(2), [4096, -5]) == 1
+    assert ix.state(d(1)) == PRESENT and ix.state(d(2)) == WRITING  # a failure stays for the caller
+    assert ix.erase_writing(d(2)) is True and ix.state(d(2)) == ABSENT and len(ix) == 1
+    assert ix.lookup(d(1)) == HIT
+    assert ix.admit_loads(d(1) + d(1)) is None
+    assert ix.readers(d(1)) == 2 and ix.lookup(d(1)) == HIT_PENDING
+    assert ix.finish_loads(d(1) + d(1)) == 0
+    assert ix.readers(d(1)) == 0 and ix.lookup(d(1)) == HIT
+    assert ix.counts() == {"lookups": 5, "hits": 2, "misses": 1, "retries": 1, "hit_pending": 1}
+
+
+def test_admit_codes_for_each_refusal():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 1, 2)
+    assert ix.admit_stores(d(3), 1) == (1, None)  # 3 writing
+    assert ix.take_victims(1) == [d(1)]  # 1 removing
+    ix.mark_failed(d(2))
+    codes = ix.admit_loads(d(1) + d(2) + d(3) + d(4))
+    assert list(codes) == [A_REMOVING, A_FAILED, A_WRITING, A_ABSENT]
+    assert ix.readers(d(2)) == 0
+    # stores: present/writing skipped, removing refused, new ones beyond max_new need room
+    n, codes = ix.admit_stores(d(2) + d(3) + d(1) + d(5) + d(6) + d(5), 1)
+    assert n == 1 and list(codes) == [A_PRESENT, A_PRESENT, A_REMOVING, OK, NEEDS_ROOM, A_PRESENT]
+
+
+def test_failed_block_is_dropped_when_its_last_reader_finishes():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 1)
+    assert ix.admit_loads(d(1) + d(1)) is None
+    assert ix.mark_failed(d(1)) is True and ix.mark_failed(d(1)) is False
+    assert ix.lookup(d(1)) == HIT_PENDING  # loads in flight
+    assert ix.drop_failed(d(1)) is False  # still read
+    assert ix.finish_loads(d(1)) == 0
+    assert ix.finish_loads(d(1)) == 1  # the last reader: dropped
+    assert ix.state(d(1)) == FAILED and d(1) not in ix and len(ix) == 0 and ix.present == 0
+    assert ix.lookup(d(1)) == MISS
+    assert ix.add_present(d(1)) is False  # a probe or scan does not bring it back
+    assert ix.admit_stores(d(1), 1) == (1, None)  # a store does, failed mark cleared
+    assert ix.failed(d(1)) is False and ix.state(d(1)) == WRITING
+
+
+def test_lru_order_touch_victims_restore_forget():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 1, 2, 3, 4)
+    assert ix.lru_order() == [d(1), d(2), d(3), d(4)]
+    ix.touch(d(1) + d(9))
+    assert ix.lru_order() == [d(2), d(3), d(4), d(1)]
+    assert ix.admit_loads(d(2)) is None  # read (and now the most recent): never a victim
+    assert ix.take_victims(2, keep=[d(3)]) == [d(4), d(1)]
+    assert ix.state(d(4)) == REMOVING and ix.lookup(d(4)) == MISS
+    assert ix.lru_order() == [d(3), d(2)] and ix.present == 2 and len(ix) == 4
+    assert ix.restore(d(4)) is True and ix.lru_order() == [d(4), d(3), d(2)]
+    assert ix.forget_removed(d(1)) is True and ix.state(d(1)) == ABSENT and len(ix) == 3
+    assert ix.forget_removed(d(1)) is False and ix.restore(d(2)) is False
+
+
+def test_set_removing_only_unread_present():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 1, 2)
+    assert ix.admit_loads(d(1)) is None
+    assert ix.set_removing(d(1)) is False
+    assert ix.set_removing(d(2)) is True and ix.state(d(2)) == REMOVING
+    ix.mark_failed(d(2))
+    assert ix.forget_removed(d(2)) is True and ix.state(d(2)) == FAILED  # the mark stays
+
+
+def test_shared_unknown_and_counting():
+    ix = _native.BlockIndex(unknown_is_miss=False)
+    assert ix.lookup(d(1)) == UNKNOWN
+    assert ix.counts()["lookups"] == 0  # answered by the caller, which counts it
+    ix.count(RETRY)
+    assert ix.counts() == {"lookups": 1, "hits": 0, "misses": 0, "retries": 1, "hit_pending": 0}
+    with pytest.raises(ValueError, match="answer must be 0..3"):
+        ix.count(4)
+
+
+def test_lookup_key_digests_the_key_and_close_refuses():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 7)
+    assert ix.lookup_key(b"key-7") == HIT
+    assert ix.lookup_key(bytearray(b"key-7")) == HIT
+    assert ix.lookup_key(memoryview(b"key-7")) == HIT
+    assert ix.lookup_key(b"key-8") == MISS
+    with pytest.raises(TypeError, match="key must be bytes, not str"):
+        ix.lookup_key("key-7")
+    ix.close()
+    with pytest.raises(RuntimeError, match="DiskTier is shut down"):
+        ix.lookup_key(b"key-7")
+    with pytest.raises(RuntimeError, match="DiskTier is shut down"):
+        ix.lookup(d(7))
+
+
+def test_bad_digests():
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    with pytest.raises(ValueError, match="digest must be 16 bytes, got 15"):
+        ix.lookup(b"x" * 15)
+    with pytest.raises(TypeError, match="digest must be bytes, not str"):
+        ix.state("x" * 16)
+    with pytest.raises(ValueError, match="digests: 17 bytes is not a multiple of 16"):
+        ix.admit_loads(b"x" * 17)
+    with pytest.raises(TypeError, match="digests must be a buffer"):
+        ix.admit_loads(5)
+    with pytest.raises(ValueError, match="2 digests but 1 results"):
+        ix.finish_stores(d(1) + d(2), [1])
+    assert ix.admit_loads(b"") is None and len(ix) == 0
