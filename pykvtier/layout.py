@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import itertools
 import json
 import logging
 import os
@@ -70,9 +69,9 @@ PROBE_MARK = ".pykvtier-direct-probe-"  # the engine's O_DIRECT probe file, in b
 QUARANTINE_MAX_FILES = 256
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 HEADER_PARSE_BYTES = 64  # the header's fields, any version: what _native.parse_header needs
-# Temporaries are named by pid and this process-wide sequence: two Layouts of one root in one
-# process (two tiers sharing a directory) must never pick the same name.
-_tmp_seq = itertools.count(1)
+# Temporaries are named by pid and the process's one sequence (_native.tmp_sequence, which
+# _native.BlockSpace's temporaries draw from too): no two temporary names of the process repeat.
+_tmp_seq = _native.tmp_sequence
 
 
 #: ``key_digest(key) -> bytes``: the 16-byte BLAKE2b digest that names ``key``'s block file and
@@ -405,7 +404,7 @@ class Layout:
         """Writes the marker once (temporary, then a hard link: an existing marker is never
         replaced) and returns the marker then in place; None when it cannot be written."""
         text = json.dumps({"format": ROOT_FORMAT, "block_size_bytes": block_size_bytes}) + "\n"
-        tmp = f".{ROOT_MARKER}{TMP_MARK}{self._pid}.{next(_tmp_seq)}"
+        tmp = f".{ROOT_MARKER}{TMP_MARK}{self._pid}.{_tmp_seq()}"
         try:
             rfd = _open_dir(self.root)
             try:
@@ -450,7 +449,7 @@ class Layout:
 
     def tmp_path(self, digest: bytes) -> str:
         """A fresh temporary name beside the block's final name (same directory: atomic rename)."""
-        return f"{self.block_path(digest)}{TMP_MARK}{self._pid}.{next(_tmp_seq)}"
+        return f"{self.block_path(digest)}{TMP_MARK}{self._pid}.{_tmp_seq()}"
 
     def quarantine_path(self, digest: bytes, stamp: int) -> str:
         return os.path.join(self.quarantine_dir, f"{digest.hex()}{BLOCK_SUFFIX}.{stamp}")

@@ -9,6 +9,8 @@
 //   write_block:   (tmp_path, final_path, payload_length, addr, key_digest: 16 bytes
 //                   [, recycle_path: an evicted block file to reuse, or ""])
 //   unlink:        path, or (path,)
+// submit_blocks builds the same requests from a BlockSpace (pykvtier/block_space.hpp), key
+// digests and slots, without entry tuples.
 //
 // The Python types of the job model (Op, Verify, FinishedJob, BlockError) are registered once, by
 // pykvtier._native (python/bindings.cpp: register_job_types); another engine module imports
@@ -21,9 +23,12 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <utility>
+#include <vector>
 #include <sstream>
 #include <string>
 
+#include "pykvtier/block_space.hpp"
 #include "pykvtier/engine.hpp"
 
 namespace pykvtier::python {
@@ -128,8 +133,20 @@ inline void parse_tuple(size_t i, Op op, const py::tuple& t, Request& r, bool re
 
 }  // namespace entries_detail
 
-// Fills job.reqs from entries (job.op set), checking each entry's shape, paths, length (1 byte ..
-// 1 GiB) and address (not NULL). addr_kind names the memory in errors ("host", "device");
+// Request i's paths, length (1 byte .. 1 GiB) and address (not NULL) as the engine takes them;
+// addr_kind names the memory in errors ("host", "device"). ValueError naming the entry.
+inline void check_request(size_t i, Op op, const Request& r, const char* addr_kind) {
+  check_path(i, r.path, "path", r.path, false);
+  if (op == Op::Unlink) return;
+  check_path(i, r.path, "rename target", r.target, true);
+  check_path(i, r.path, "recycle path", r.recycle, true);
+  if (r.length == 0) entry_error(i, r.path, "length is 0");
+  if (r.length > kMaxRequestBytes)
+    entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
+  if (r.addr == 0) entry_error(i, r.path, std::string(addr_kind) + " address is NULL");
+}
+
+// Fills job.reqs from entries (job.op set), checking each entry's shape and check_request.
 // recycles: whether the engine takes write_block's recycle_path. Raises ValueError naming the
 // entry; nothing is queued then.
 inline void parse_entries(Job& job, const py::sequence& entries, const char* addr_kind, bool recycles) {
@@ -138,20 +155,109 @@ inline void parse_entries(Job& job, const py::sequence& entries, const char* add
   for (size_t i = 0; i < n; ++i) {
     Request& r = job.reqs[i];
     py::handle e = entries[i];
-    if (job.op == Op::Unlink) {
+    if (job.op == Op::Unlink)
       r.path = py::isinstance<py::str>(e) ? e.cast<std::string>()
                                           : py::reinterpret_borrow<py::sequence>(e)[0].cast<std::string>();
-      check_path(i, r.path, "path", r.path, false);
-      continue;
+    else
+      entries_detail::parse_tuple(i, job.op, py::reinterpret_borrow<py::object>(e).cast<py::tuple>(), r, recycles);
+    check_request(i, job.op, r, addr_kind);
+  }
+}
+
+// A contiguous buffer of a Python object, held for the call (PyBUF_ANY_CONTIGUOUS). what names
+// the argument in errors: TypeError for an object without the buffer protocol or not contiguous.
+class HeldBuffer {
+ public:
+  HeldBuffer(py::handle obj, const char* what) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      PyErr_Clear();
+      throw py::type_error(std::string(what) + " must be a contiguous buffer (bytes, bytearray, a numpy array), not " +
+                           std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
     }
-    entries_detail::parse_tuple(i, job.op, py::reinterpret_borrow<py::object>(e).cast<py::tuple>(), r, recycles);
-    check_path(i, r.path, "path", r.path, false);
-    check_path(i, r.path, "rename target", r.target, true);
-    check_path(i, r.path, "recycle path", r.recycle, true);
-    if (r.length == 0) entry_error(i, r.path, "length is 0");
-    if (r.length > kMaxRequestBytes)
-      entry_error(i, r.path, "length " + std::to_string(r.length) + " exceeds the 1 GiB per-request limit");
-    if (r.addr == 0) entry_error(i, r.path, std::string(addr_kind) + " address is NULL");
+  }
+  ~HeldBuffer() { PyBuffer_Release(&view_); }
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+  const uint8_t* data() const { return static_cast<const uint8_t*>(view_.buf); }
+  size_t nbytes() const { return size_t(view_.len); }
+  size_t itemsize() const { return size_t(view_.itemsize); }
+  std::string format() const { return view_.format ? view_.format : "B"; }
+
+ private:
+  Py_buffer view_{};
+};
+
+// submit_blocks' and BlockSpace.entries' arguments as requests of space: op (READ_BLOCK,
+// WRITE_BLOCK or UNLINK), digests (a buffer of n * 16 bytes, n >= 1), slots (a buffer of n int64
+// in [0, space.num_slots); None for UNLINK), victims (WRITE_BLOCK: None or {entry index: the
+// digest of the evicted block whose file entry index recycles}). recycles: whether the engine
+// takes victims. ValueError/TypeError naming the argument and index; reqs is then undefined.
+inline void block_requests(const BlockSpace& space, Op op, py::handle digests, py::handle slots,
+                           py::handle victims, bool recycles, std::vector<Request>& reqs) {
+  if (op != Op::ReadBlock && op != Op::WriteBlock && op != Op::Unlink)
+    throw py::value_error(std::string("op must be READ_BLOCK, WRITE_BLOCK or UNLINK for block requests, not ") +
+                          op_name(op));
+  HeldBuffer d(digests, "digests");
+  if (d.nbytes() % kDigestBytes)
+    throw py::value_error("digests must be n * 16 bytes (16-byte key digests), got " + std::to_string(d.nbytes()) +
+                          " bytes");
+  const size_t n = d.nbytes() / kDigestBytes;
+  if (n == 0) throw py::value_error("digests is empty: no blocks");
+  const uint8_t* slot_bytes = nullptr;
+  std::optional<HeldBuffer> s;
+  if (op == Op::Unlink) {
+    if (!slots.is_none()) throw py::value_error("slots must be None for UNLINK (no memory is moved)");
+  } else {
+    if (slots.is_none()) throw py::value_error(std::string("slots is required for ") + op_name(op));
+    s.emplace(slots, "slots");
+    const std::string f = s->format();
+    const bool raw = s->itemsize() == 1;  // bytes, bytearray, uint8: n * 8 bytes of native int64
+    const bool int64 = s->itemsize() == 8 && (f == "q" || f == "l" || f == "<q" || f == "<l" || f == "=q" ||
+                                              f == "=l" || f == "@q" || f == "@l");
+    if (!raw && !int64)
+      throw py::value_error("slots must be int64 (numpy int64, array('q'), or bytes of native int64), got items of "
+                            "format '" + f + "' (" + std::to_string(s->itemsize()) + " bytes)");
+    if (s->nbytes() != n * 8)
+      throw py::value_error("slots has " + (raw ? std::to_string(s->nbytes()) + " bytes" : std::to_string(s->nbytes() / 8) +
+                            " items") + " for " + std::to_string(n) + " digests (" + std::to_string(n) +
+                            " int64 expected)");
+    slot_bytes = s->data();
+  }
+  reqs.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t slot = 0;
+    if (slot_bytes) {
+      std::memcpy(&slot, slot_bytes + 8 * i, 8);
+      if (slot < 0 || uint64_t(slot) >= space.num_slots)
+        throw py::value_error("slots[" + std::to_string(i) + "] = " + std::to_string(slot) + " is outside [0, " +
+                              std::to_string(space.num_slots) + "), the space's slots");
+    }
+    space.fill(op, d.data() + kDigestBytes * i, uint64_t(slot), reqs[i]);
+  }
+  if (victims.is_none()) return;
+  if (!py::isinstance<py::dict>(victims))
+    throw py::type_error("victims must be None or a dict {entry index: victim digest}, not " +
+                         std::string(py::str(py::type::handle_of(victims).attr("__name__"))));
+  const auto v = py::reinterpret_borrow<py::dict>(victims);
+  if (v.empty()) return;
+  if (op != Op::WriteBlock) throw py::value_error("victims are for WRITE_BLOCK only, not " + std::string(op_name(op)));
+  for (auto [key, value] : v) {
+    if (!py::isinstance<py::int_>(key) || py::isinstance<py::bool_>(key))
+      throw py::type_error("victims: keys must be entry indexes (int), not " +
+                           std::string(py::str(py::type::handle_of(key).attr("__name__"))));
+    const int64_t i = key.cast<int64_t>();
+    if (i < 0 || uint64_t(i) >= n)
+      throw py::value_error("victims: entry index " + std::to_string(i) + " is outside [0, " + std::to_string(n) +
+                            ")");
+    if (!recycles) entry_error(size_t(i), reqs[i].path, "this engine does not recycle block files");
+    if (!py::isinstance<py::bytes>(value))
+      throw py::type_error("victims[" + std::to_string(i) + "] must be a 16-byte key digest (bytes), not " +
+                           std::string(py::str(py::type::handle_of(value).attr("__name__"))));
+    const std::string victim = value.cast<std::string>();
+    if (victim.size() != kDigestBytes)
+      throw py::value_error("victims[" + std::to_string(i) + "]: key digest must be 16 bytes, got " +
+                            std::to_string(victim.size()));
+    reqs[i].recycle = space.block_path(reinterpret_cast<const uint8_t*>(victim.data()));
   }
 }
 
@@ -197,12 +303,12 @@ inline void check_direct_alignment(const Job& job, uint32_t mem_align) {
   }
 }
 
-// A job of entries, every argument checked before anything is queued (ValueError naming it).
-// fix_mode(file_mode): whether created files need their mode set after creation (detail/safe_path.hpp
-// mode_needs_fix for host engines).
-inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::sequence& entries,
-                                     const SubmitOptions& o, const EngineTraits& traits,
-                                     bool (*fix_mode)(uint32_t)) {
+// A job of no requests yet with the submit keywords o applied (ValueError naming a bad one);
+// mem_align: the memory alignment O_DIRECT is checked against. fix_mode(file_mode): whether
+// created files need their mode set after creation (detail/safe_path.hpp mode_needs_fix for host
+// engines).
+inline std::unique_ptr<Job> new_job(uint64_t id, py::handle op, const SubmitOptions& o,
+                                    bool (*fix_mode)(uint32_t), uint32_t& mem_align) {
   auto job = std::make_unique<Job>();
   job->id = id;
   job->op = op_from_object(op);
@@ -219,16 +325,52 @@ inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::seque
   job->fix_mode = fix_mode ? fix_mode(o.file_mode) : false;
   if (o.align == 0 || (o.align & (o.align - 1))) throw py::value_error("align must be a power of two");
   job->align = o.align;
-  const uint32_t mem_align = o.mem_align == 0 ? o.align : o.mem_align;
+  mem_align = o.mem_align == 0 ? o.align : o.mem_align;
   if (mem_align & (mem_align - 1)) throw py::value_error("mem_align must be a power of two");
+  return job;
+}
+
+// A job of entries (submit), every argument checked before anything is queued (ValueError
+// naming it).
+inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::sequence& entries,
+                                     const SubmitOptions& o, const EngineTraits& traits,
+                                     bool (*fix_mode)(uint32_t)) {
+  uint32_t mem_align = 0;
+  auto job = new_job(id, op, o, fix_mode, mem_align);
   parse_entries(*job, entries, traits.addr_kind, traits.recycles);
   if (o.direct && traits.check_direct_alignment) check_direct_alignment(*job, mem_align);
   return job;
 }
 
+// A job of space's blocks (submit_blocks: block_requests' arguments), checked as make_job's.
+inline std::unique_ptr<Job> make_block_job(uint64_t id, py::handle op, const BlockSpace& space, py::handle digests,
+                                           py::handle slots, py::handle victims, const SubmitOptions& o,
+                                           const EngineTraits& traits, bool (*fix_mode)(uint32_t)) {
+  uint32_t mem_align = 0;
+  auto job = new_job(id, op, o, fix_mode, mem_align);
+  block_requests(space, job->op, digests, slots, victims, traits.recycles, job->reqs);
+  for (size_t i = 0; i < job->reqs.size(); ++i) check_request(i, job->op, job->reqs[i], traits.addr_kind);
+  if (o.direct && traits.check_direct_alignment) check_direct_alignment(*job, mem_align);
+  return job;
+}
+
+inline constexpr const char* kSubmitBlocksDoc =
+    "submit_blocks(job_id, op, space, digests, slots=None, victims=None, *, direct=True,\n"
+    "align=4096, mem_align=0, fsync=False, file_mode=0o600, verify=\"payload\"): queues a job of\n"
+    "blocks of space (a pykvtier._native.BlockSpace) as submit does, its requests built in C++:\n"
+    "op READ_BLOCK (block_path(d) -> slot), WRITE_BLOCK (slot -> tmp_path(d), renamed to\n"
+    "block_path(d)) or UNLINK (block_path(d)). digests: a buffer of n * 16 bytes (n key digests,\n"
+    "n >= 1); slots: a buffer of n int64 (numpy int64, array('q'), bytes), each in\n"
+    "[0, space.num_slots), the memory at space.arena_addr + slot * space.slot_bytes, of\n"
+    "space.payload_bytes; None for UNLINK. victims (WRITE_BLOCK): None or {entry index: the 16-byte\n"
+    "digest of an evicted block}: that entry recycles the victim's block file. Results per entry,\n"
+    "in digest order, as submit's. Raises ValueError (TypeError for a wrong type) naming the\n"
+    "argument and index, or what submit raises, before anything is queued; victims on an engine\n"
+    "that does not recycle block files is a ValueError.";
+
 // Binds pykvtier/engine.hpp's interface on cls (a py::class_ of an Engine implementation):
-// submit (with SubmitOptions' keywords; check(Job&) runs after the entries are parsed: an
-// engine's own checks, raising ValueError), poll (list of FinishedJob), wait, drain,
+// submit and submit_blocks (with SubmitOptions' keywords; check(Job&) runs after the requests
+// are built: an engine's own checks, raising ValueError), poll (list of FinishedJob), wait, drain,
 // pending_jobs, stats (dict, STATS_KEYS order), take_leftovers, register_buffer,
 // unregister_buffers, await_buffers, shutdown, name. Every wait releases the GIL.
 template <class Cls, class Check>
@@ -248,6 +390,21 @@ Cls& def_engine(Cls& cls, const EngineTraits& traits, bool (*fix_mode)(uint32_t)
          py::arg("job_id"), py::arg("op"), py::arg("entries"), py::kw_only(), py::arg("direct") = true,
          py::arg("align") = 4096, py::arg("mem_align") = 0, py::arg("fsync") = false,
          py::arg("file_mode") = 0600, py::arg("verify") = "payload", submit_doc)
+      .def(
+          "submit_blocks",
+          [traits, fix_mode, check](E& e, uint64_t job_id, py::handle op, const BlockSpace& space,
+                                    py::handle digests, py::handle slots, py::handle victims, bool direct,
+                                    uint32_t align, uint32_t mem_align, bool fsync, uint32_t file_mode,
+                                    const std::string& verify) {
+            SubmitOptions o{direct, align, mem_align, fsync, file_mode, verify};
+            auto job = make_block_job(job_id, op, space, digests, slots, victims, o, traits, fix_mode);
+            check(*job);
+            e.submit(std::move(job));
+          },
+          py::arg("job_id"), py::arg("op"), py::arg("space"), py::arg("digests"), py::arg("slots") = py::none(),
+          py::arg("victims") = py::none(), py::kw_only(), py::arg("direct") = true, py::arg("align") = 4096,
+          py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("file_mode") = 0600,
+          py::arg("verify") = "payload", kSubmitBlocksDoc)
       .def("poll", [](E& e) { return e.poll(); },
            "Finished jobs since the last call, each exactly once: list of FinishedJob. Never blocks.")
       .def(

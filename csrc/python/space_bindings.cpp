@@ -1,8 +1,110 @@
-// (stub: filled in by its owner this session)
+// pykvtier._native.BlockSpace and tmp_sequence: a tier's block names and slot addresses built in
+// C++ (pykvtier/block_space.hpp), for every engine's submit_blocks and, as entry tuples, for
+// engines written in Python.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "engine_bindings.hpp"
 #include "module_parts.hpp"
+#include "pykvtier/block_space.hpp"
 
 namespace pykvtier::python {
 
-void register_block_space(pybind11::module_&) {}
+namespace {
+
+const uint8_t* digest_of(const std::string& d) {
+  if (d.size() != kDigestBytes)
+    throw py::value_error("key digest must be " + std::to_string(kDigestBytes) + " bytes, got " +
+                          std::to_string(d.size()));
+  return reinterpret_cast<const uint8_t*>(d.data());
+}
+
+// The requests as the entry tuples submit takes (engine_bindings.hpp).
+py::list as_entries(Op op, const std::vector<Request>& reqs) {
+  py::list out(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const Request& r = reqs[i];
+    const py::bytes digest(reinterpret_cast<const char*>(r.digest), kDigestBytes);
+    if (op == Op::ReadBlock)
+      out[i] = py::make_tuple(r.path, r.length, r.addr, digest);
+    else if (op == Op::Unlink)
+      out[i] = py::make_tuple(r.path);
+    else if (r.recycle.empty())
+      out[i] = py::make_tuple(r.path, r.target, r.length, r.addr, digest);
+    else
+      out[i] = py::make_tuple(r.path, r.target, r.length, r.addr, digest, r.recycle);
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_block_space(py::module_& m) {
+  m.def("tmp_sequence", &next_tmp_sequence,
+        "The next value (int: 1, 2, 3, ...) of the process's one temporary-name sequence, which\n"
+        "BlockSpace.tmp_path and pykvtier.layout's temporaries draw from: no two temporary names of\n"
+        "the process repeat. Thread-safe.");
+
+  py::class_<BlockSpace>(m, "BlockSpace", R"doc(
+A tier's block space: its block files' directory and the arena its slots are in.
+
+BlockSpace(blocks_dir: str, payload_bytes: int, arena_addr: int, slot_bytes: int, num_slots: int)
+
+Slot s is the memory [arena_addr + s * slot_bytes, + payload_bytes) (host or device memory, as
+the engine it is given to moves it). Names (str): block_path(d) = blocks_dir + "/<2 hex>/<32
+hex>.kvb" of the 16-byte key digest d (pykvtier.layout.Layout.block_path); tmp_path(d) =
+block_path(d) + ".tmp.<pid>.<n>", n the next tmp_sequence() (pid taken at construction).
+Raises ValueError naming the argument: payload_bytes 0 or above 1 GiB, slot_bytes <
+payload_bytes, arena_addr 0, num_slots 0, an arena past the end of the address space, a
+blocks_dir that is empty, has a NUL byte or leaves no room for its names under PATH_MAX.
+Immutable; thread-safe. Engines take it in submit_blocks.
+)doc")
+      .def(py::init([](const std::string& blocks_dir, uint64_t payload_bytes, uint64_t arena_addr, uint64_t slot_bytes,
+                       uint64_t num_slots) {
+             try {
+               return BlockSpace(blocks_dir, payload_bytes, arena_addr, slot_bytes, num_slots);
+             } catch (const std::invalid_argument& e) {
+               throw py::value_error(e.what());
+             }
+           }),
+           py::arg("blocks_dir"), py::arg("payload_bytes"), py::arg("arena_addr"), py::arg("slot_bytes"),
+           py::arg("num_slots"))
+      .def_readonly("blocks_dir", &BlockSpace::blocks_dir)
+      .def_readonly("payload_bytes", &BlockSpace::payload_bytes)
+      .def_readonly("arena_addr", &BlockSpace::arena_addr)
+      .def_readonly("slot_bytes", &BlockSpace::slot_bytes)
+      .def_readonly("num_slots", &BlockSpace::num_slots)
+      .def_readonly("pid", &BlockSpace::pid)
+      .def(
+          "block_path", [](const BlockSpace& s, const py::bytes& digest) { return s.block_path(digest_of(digest)); },
+          py::arg("digest"), "The block file of a 16-byte key digest (str); ValueError for another length.")
+      .def(
+          "tmp_path", [](const BlockSpace& s, const py::bytes& digest) { return s.tmp_path(digest_of(digest)); },
+          py::arg("digest"),
+          "A fresh temporary name (str) beside block_path(digest), never returned before in this\n"
+          "process; ValueError for a digest that is not 16 bytes.")
+      .def(
+          "entries",
+          [](const BlockSpace& s, py::handle op, py::handle digests, py::handle slots, py::handle victims) {
+            const Op o = op_from_object(op);
+            std::vector<Request> reqs;
+            block_requests(s, o, digests, slots, victims, /*recycles=*/true, reqs);
+            return as_entries(o, reqs);
+          },
+          py::arg("op"), py::arg("digests"), py::arg("slots") = py::none(), py::arg("victims") = py::none(),
+          "The entry tuples (list of tuple, one per digest, in order) that an engine's submit takes for\n"
+          "what submit_blocks(job_id, op, self, digests, slots, victims) queues, for engines written\n"
+          "in Python: READ_BLOCK (path, payload_bytes, addr, digest); WRITE_BLOCK (tmp_path,\n"
+          "block_path, payload_bytes, addr, digest[, the victim's block_path]); UNLINK (path,).\n"
+          "Arguments and errors as submit_blocks'; each WRITE_BLOCK entry takes a fresh tmp_path.")
+      .def("__repr__", [](const BlockSpace& s) {
+        return "BlockSpace(blocks_dir=" + std::string(py::repr(py::str(s.blocks_dir))) +
+               ", payload_bytes=" + std::to_string(s.payload_bytes) + ", arena_addr=" + hex(s.arena_addr) +
+               ", slot_bytes=" + std::to_string(s.slot_bytes) + ", num_slots=" + std::to_string(s.num_slots) + ")";
+      });
+}
 
 }  // namespace pykvtier::python

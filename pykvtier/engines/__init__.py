@@ -61,6 +61,16 @@ class Engine(Protocol):
     ``poll`` has something or nothing is pending (True if ``poll`` has something); ``drain``
     blocks until every submitted job finished (results stay for ``poll``). ``stats`` has exactly
     the keys ``pykvtier._native.STATS_KEYS``. Thread-safe.
+
+    ``submit_blocks(job_id, op, space, digests, slots=None, victims=None, **submit_kw)`` queues
+    the job of ``space``'s blocks (``space``: a ``pykvtier._native.BlockSpace`` of the arena the
+    engine moves, host or device) that ``submit(job_id, op, space.entries(op, digests, slots,
+    victims), **submit_kw)`` would: ``op`` READ_BLOCK, WRITE_BLOCK or UNLINK; ``digests`` a
+    buffer of n * 16 bytes (n key digests); ``slots`` a buffer of n int64 slot numbers (None for
+    UNLINK); ``victims`` (WRITE_BLOCK) None or {entry index: 16-byte digest of an evicted block
+    whose file that entry recycles}. Results per entry in digest order. ValueError (TypeError for
+    a wrong type) naming the argument and index before anything is queued, also for victims on
+    an engine that does not recycle block files.
     """
 
     name: str
@@ -68,6 +78,10 @@ class Engine(Protocol):
     def submit(self, job_id: int, op: Any, entries: Sequence[tuple], *, direct: bool = True,
                align: int = 4096, mem_align: int = 0, fsync: bool = False, file_mode: int = 0o600,
                verify: str = "payload") -> None: ...
+    def submit_blocks(self, job_id: int, op: Any, space: Any, digests: Any, slots: Any = None,
+                      victims: dict[int, bytes] | None = None, *, direct: bool = True,
+                      align: int = 4096, mem_align: int = 0, fsync: bool = False,
+                      file_mode: int = 0o600, verify: str = "payload") -> None: ...
     def poll(self) -> list: ...
     def wait(self, timeout_s: float | None = None) -> bool: ...
     def drain(self) -> None: ...

@@ -282,6 +282,19 @@ class BounceEngine:
             self._own["jobs_submitted"] += 1
             self._mu.notify_all()
 
+    def submit_blocks(self, job_id: int, op: Any, space: Any, digests: Any, slots: Any = None,
+                      victims: dict[int, bytes] | None = None, *, direct: bool = True,
+                      align: int = 4096, mem_align: int = 0, fsync: bool = False,
+                      file_mode: int = 0o600, verify: str = "payload") -> None:
+        """As a host engine's submit_blocks (``space``: the device arena's BlockSpace), through
+        :meth:`submit` of ``space.entries(...)``; ValueError for victims (this engine does not
+        recycle block files), as submit_blocks' and :meth:`submit`'s."""
+        entries = space.entries(op, digests, slots, victims)
+        for i in victims or ():
+            raise ValueError(f"entry {i} ({entries[i][0]}): this engine does not recycle block files")
+        self.submit(job_id, op, entries, direct=direct, align=align, mem_align=mem_align,
+                    fsync=fsync, file_mode=file_mode, verify=verify)
+
     def poll(self) -> list:
         with self._mu:
             out, self._finished = self._finished, []
