@@ -20,13 +20,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <bit>
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <utility>
-#include <vector>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "pykvtier/block_space.hpp"
 #include "pykvtier/engine.hpp"
@@ -36,6 +37,9 @@ namespace pykvtier::python {
 namespace py = pybind11;
 
 inline constexpr uint64_t kMaxRequestBytes = 1ull << 30;  // CQE results are int32
+
+// The name of h's type ("bytes", "list"), for TypeErrors.
+inline std::string type_name(py::handle h) { return py::str(py::type::handle_of(h).attr("__name__")); }
 
 [[noreturn]] inline void entry_error(size_t i, const std::string& path, const std::string& what) {
   std::string shown;  // a NUL byte would end the message: shown as \0; a long path shortened
@@ -66,8 +70,7 @@ inline void check_path(size_t i, const std::string& entry_path, const char* what
 inline Op op_from_object(py::handle op) {
   if (py::isinstance<Op>(op)) return op.cast<Op>();
   if (!py::isinstance<py::str>(op))
-    throw py::type_error("op must be a pykvtier._native.Op, not " +
-                         std::string(py::str(py::type::handle_of(op).attr("__name__"))));
+    throw py::type_error("op must be a pykvtier._native.Op, not " + type_name(op));
   const std::string s = op.cast<std::string>();
   for (Op o : {Op::Read, Op::Write, Op::ReadBlock, Op::WriteBlock, Op::Unlink})
     if (s == op_name(o)) return o;
@@ -172,7 +175,7 @@ class HeldBuffer {
     if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT) != 0) {
       PyErr_Clear();
       throw py::type_error(std::string(what) + " must be a contiguous buffer (bytes, bytearray, a numpy array), not " +
-                           std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+                           type_name(obj));
     }
   }
   ~HeldBuffer() { PyBuffer_Release(&view_); }
@@ -212,8 +215,9 @@ inline void block_requests(const BlockSpace& space, Op op, py::handle digests, p
     s.emplace(slots, "slots");
     const std::string f = s->format();
     const bool raw = s->itemsize() == 1;  // bytes, bytearray, uint8: n * 8 bytes of native int64
-    const bool int64 = s->itemsize() == 8 && (f == "q" || f == "l" || f == "<q" || f == "<l" || f == "=q" ||
-                                              f == "=l" || f == "@q" || f == "@l");
+    const bool little = std::endian::native == std::endian::little;
+    const bool int64 = s->itemsize() == 8 && (f == "q" || f == "l" || f == "=q" || f == "=l" || f == "@q" ||
+                                              f == "@l" || (little && (f == "<q" || f == "<l")));
     if (!raw && !int64)
       throw py::value_error("slots must be int64 (numpy int64, array('q'), or bytes of native int64), got items of "
                             "format '" + f + "' (" + std::to_string(s->itemsize()) + " bytes)");
@@ -237,14 +241,14 @@ inline void block_requests(const BlockSpace& space, Op op, py::handle digests, p
   if (victims.is_none()) return;
   if (!py::isinstance<py::dict>(victims))
     throw py::type_error("victims must be None or a dict {entry index: victim digest}, not " +
-                         std::string(py::str(py::type::handle_of(victims).attr("__name__"))));
+                         type_name(victims));
   const auto v = py::reinterpret_borrow<py::dict>(victims);
   if (v.empty()) return;
   if (op != Op::WriteBlock) throw py::value_error("victims are for WRITE_BLOCK only, not " + std::string(op_name(op)));
   for (auto [key, value] : v) {
     if (!py::isinstance<py::int_>(key) || py::isinstance<py::bool_>(key))
       throw py::type_error("victims: keys must be entry indexes (int), not " +
-                           std::string(py::str(py::type::handle_of(key).attr("__name__"))));
+                           type_name(key));
     const int64_t i = key.cast<int64_t>();
     if (i < 0 || uint64_t(i) >= n)
       throw py::value_error("victims: entry index " + std::to_string(i) + " is outside [0, " + std::to_string(n) +
@@ -252,7 +256,7 @@ inline void block_requests(const BlockSpace& space, Op op, py::handle digests, p
     if (!recycles) entry_error(size_t(i), reqs[i].path, "this engine does not recycle block files");
     if (!py::isinstance<py::bytes>(value))
       throw py::type_error("victims[" + std::to_string(i) + "] must be a 16-byte key digest (bytes), not " +
-                           std::string(py::str(py::type::handle_of(value).attr("__name__"))));
+                           type_name(value));
     const std::string victim = value.cast<std::string>();
     if (victim.size() != kDigestBytes)
       throw py::value_error("victims[" + std::to_string(i) + "]: key digest must be 16 bytes, got " +
