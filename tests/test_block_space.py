@@ -377,3 +377,35 @@ def test_bounce_engine_submit_blocks(layout, arena, host):
     finally:
         eng.shutdown()
         h.shutdown()
+
+
+# ------------------------------------------------------------------------- the gds engine
+
+
+def test_gds_engine_submit_blocks(layout, arena):
+    """The gds module's submit_blocks takes _native's BlockSpace (one type across the modules) and
+    draws its temporaries from the same sequence; runs where pykvtier._gds loads (no GPU needed:
+    unlinks move no memory)."""
+    from pykvtier.gpu import load_gds_module
+
+    gds, reason = load_gds_module()
+    if gds is None:
+        pytest.skip(f"pykvtier._gds does not load here: {reason}")
+    eng = gds.GdsEngine(io_threads=2, compat="on", checksum="host")
+    try:
+        space = space_of(layout, arena(2, BS))
+        d = digests_of(b"g0", b"g1")
+        with open(space.block_path(d[:16]), "wb"):
+            pass
+        eng.submit_blocks(1, Op.UNLINK, space, d)
+        eng.drain()
+        assert [(j.job_id, j.results) for j in eng.poll()] == [(1, [0, -errno.ENOENT])]
+        first = _native.tmp_sequence()
+        with pytest.raises(ValueError) as ei:
+            eng.submit_blocks(2, Op.WRITE_BLOCK, space, d, array("q", [0, 1]), {1: d[:16]})
+        assert str(ei.value) == (f"entry 1 ({space.block_path(d[16:])}.tmp.{os.getpid()}.{first + 2}): "
+                                 "this engine does not recycle block files")
+        assert _native.tmp_sequence() == first + 3
+        assert eng.pending_jobs() == 0 and eng.stats()["jobs_submitted"] == 1
+    finally:
+        eng.shutdown()
