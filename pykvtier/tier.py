@@ -17,10 +17,8 @@ import os
 import stat
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b as _blake2b  # (layout.key_digest, inlined on the per-key paths)
 from typing import Any
 
 from . import _native
@@ -56,8 +54,10 @@ class LookupResult(enum.Enum):
     RETRY = 3
 
 
-_LOOKUP_COUNTER = {LookupResult.HIT: "hits", LookupResult.MISS: "misses",
-                   LookupResult.RETRY: "retries", LookupResult.HIT_PENDING: "hit_pending"}
+#: _native.BlockIndex's answers (0..3) as LookupResult; 4: not indexed (a shared tier probes).
+_ANSWERS = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING)
+_ANSWER_CODE = {r: i for i, r in enumerate(_ANSWERS)}
+_UNKNOWN = 4
 
 
 @dataclass
@@ -97,19 +97,19 @@ class JobResult:
     submits: int = 0
 
 
-class _State(enum.Enum):
-    PRESENT = 1
-    WRITING = 2
-    REMOVING = 3
+# _native.BlockIndex's block states (BlockState) and admission codes (Admit).
+_PRESENT, _WRITING, _REMOVING = 1, 2, 3
+_ADMIT_OK, _ADMIT_PRESENT, _ADMIT_REMOVING, _ADMIT_NEEDS_ROOM = 0, 5, 4, 6
+_LOAD_REFUSED = {1: "an earlier load of this block failed", 2: "not in the tier",
+                 3: "block is writing", 4: "block is removing"}
+
+
+def _split(digests: bytes) -> list[bytes]:
+    """A buffer of 16-byte digests as a list of them."""
+    return [digests[i:i + 16] for i in range(0, len(digests), 16)]
 
 
 @dataclass(slots=True)
-class _Entry:
-    state: _State
-    readers: int = 0  # loads in flight reading this block
-
-
-@dataclass
 class _Pending:
     """A caller's job on its way through the engine."""
 
@@ -117,10 +117,10 @@ class _Pending:
     is_load: bool
     job_keys: list[bytes]  # the job's keys, taken once at submit (job.keys may be one-shot)
     keys: list[bytes]  # keys handed to the engine, in entry order
-    digests: list[bytes]
+    digests: bytes  # their key digests, 16 bytes each, in entry order
+    slots: bytes  # their arena slots, one native int64 each, in entry order
     done: dict[bytes, str | None]  # keys settled before the engine: None = ok, str = failure
-    victims: list[bytes] = field(default_factory=list)  # evicted blocks whose files it reuses
-    entries: list = field(default_factory=list)  # what the engine was given (for a retry)
+    victims: dict[int, bytes] = field(default_factory=dict)  # entry -> evicted block it reuses
     retried: bool = False  # a store whose keys that met a full file system were written again
     transfer_s: float = 0.0  # summed over its engine jobs
     submits: int = 0
@@ -367,11 +367,10 @@ class DiskTier:
 
     def _init_state(self, cfg: DiskTierConfig) -> None:
         """The index, the jobs in flight and the bookkeeping, empty."""
-        self._index: dict[bytes, _Entry] = {}  # digest -> entry
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # PRESENT digests, oldest first
-        self._used_bytes = 0  # file bytes of PRESENT + WRITING + REMOVING blocks
-        self._loading: dict[bytes, int] = {}  # digest -> loads in flight
-        self._failed: set[bytes] = set()  # digests whose load failed: MISS until stored again
+        # digest -> state, loads reading it, failed mark; LRU order of present blocks
+        self._bindex = _native.BlockIndex(unknown_is_miss=not cfg.shared)
+        self._used_bytes = 0  # file bytes of present + writing + removing blocks
+        self._space: Any = None  # _native.BlockSpace of the arena (set_arena)
         self._removed: list[bytes] | None = [] if cfg.track_removals else None
         # digest -> its index in the next probe batch (first asked first), until the step's end
         self._probe_wanted: dict[bytes, int] = {}
@@ -437,9 +436,9 @@ class DiskTier:
                            self._stats["malformed_block_files"], self.layout.blocks_dir,
                            self.file_bytes, self.layout.quarantine_dir)
         found.sort()
+        add = self._bindex.add_present
         for _, digest in found:
-            self._index[digest] = _Entry(_State.PRESENT)
-            self._lru[digest] = None
+            add(digest)
         self._used_bytes = len(found) * self.file_bytes
         if self.capacity_bytes is not None and self._used_bytes > self.capacity_bytes:
             self._evict(self._used_bytes - self.capacity_bytes)
@@ -541,7 +540,13 @@ class DiskTier:
         if self._arena is not None and self._arena is not arena:
             self._arena.release()  # the rings have let go of it (await_buffers)
         self._arena = arena
+        self._space = self._block_space(arena)
         return arena
+
+    def _block_space(self, arena: Arena) -> Any:
+        """Where the engine's block requests go: this root's block files, ``arena``'s slots."""
+        return _native.BlockSpace(self.layout.blocks_dir, self.block_size_bytes, arena.addr,
+                                  arena.slot_bytes, arena.num_slots)
 
     def _use_engine(self, build: Any = None) -> None:
         """The one place the tier's engine is set: the host engine, or with ``build`` (host
@@ -570,6 +575,7 @@ class DiskTier:
                                                     self.block_size_bytes))
         self.device_path = choice
         self._arena = arena
+        self._space = self._block_space(arena)
 
     # ------------------------------------------------------------------ phase 1
 
@@ -577,34 +583,34 @@ class DiskTier:
         """Is ``key``'s block here? Never blocks (microseconds); see :class:`LookupResult`.
         Semantics as docs/design.md's table and vLLM's SecondaryTierManager.lookup, plus HIT_PENDING
         for a block whose load is in flight. TypeError for a key that is not bytes."""
-        return self.lookup_digest(_blake2b(key if type(key) is bytes else _as_key(key),
-                                           digest_size=16).digest())
+        r = self._bindex.lookup_key(key)  # (RuntimeError once shut down)
+        if r != _UNKNOWN:
+            return _ANSWERS[r]
+        return self._counted(self._lookup_unknown(key_digest(_as_key(key))))
+
+    @property
+    def lookup_code(self) -> Any:
+        """:meth:`lookup` as a function of the key returning an int: 0 HIT, 1 MISS, 2 RETRY,
+        3 HIT_PENDING, or 4 for a key the index does not know on a ``shared`` tier (call
+        :meth:`lookup` for its answer then). One call into C++ per key, for integrations that
+        map the answer to their own type (e.g. the vLLM adapter); valid for the tier's life."""
+        return self._bindex.lookup_key
 
     def lookup_digest(self, digest: bytes) -> LookupResult:
         """:meth:`lookup` of the key whose :func:`~pykvtier.layout.key_digest` is ``digest``
         (for callers that computed it already, e.g. to pick a shard)."""
-        if self._closed:
-            raise RuntimeError("DiskTier is shut down")
-        r = self._lookup_digest(digest)
-        st = self._stats
-        st["lookups"] += 1
-        st[_LOOKUP_COUNTER[r]] += 1
+        r = self._bindex.lookup(digest)
+        if r != _UNKNOWN:
+            return _ANSWERS[r]
+        return self._counted(self._lookup_unknown(digest))
+
+    def _counted(self, r: LookupResult) -> LookupResult:
+        self._bindex.count(_ANSWER_CODE[r])
         return r
 
-    def _lookup_digest(self, digest: bytes) -> LookupResult:
-        if digest in self._loading:
-            return LookupResult.HIT_PENDING
-        if digest in self._failed:
-            return LookupResult.MISS
-        e = self._index.get(digest)
-        if e is not None:
-            if e.state is _State.PRESENT:
-                return LookupResult.HIT
-            if e.state is _State.WRITING:
-                return LookupResult.RETRY
-            return LookupResult.MISS  # being removed
-        if not self.shared:
-            return LookupResult.MISS
+    def _lookup_unknown(self, digest: bytes) -> LookupResult:
+        """A shared tier's lookup of a digest the index does not hold: its probe's answer, or a
+        probe asked for (RETRY)."""
         for first, batch in self._probing:
             i = batch.get(digest)
             if i is not None:  # in flight: applies this key's probe result only, if it completed
@@ -612,10 +618,10 @@ class DiskTier:
                 if r is None:
                     return LookupResult.RETRY
                 self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, time.monotonic())
-                if digest in self._index:  # it was not before: the probe found the block
+                if digest in self._bindex:  # it was not before: the probe found the block
                     return LookupResult.HIT
                 # not found: a MISS for probe_ttl_s (0: expired already, probed again)
-                return LookupResult.MISS if self.probe_ttl_s > 0 else self._lookup_digest(digest)
+                return LookupResult.MISS if self.probe_ttl_s > 0 else self._lookup_unknown(digest)
         if digest in self._probe_wanted:
             return LookupResult.RETRY
         expiry = self._probe_misses.get(digest)
@@ -666,12 +672,10 @@ class DiskTier:
                     self._probing.remove(entry)
                 break
         self._stats["probe_results_applied"] += 1
-        if digest in self._index:
+        if digest in self._bindex:
             return
         if (err == 0 and size == self.file_bytes and nlink == 1 and stat.S_ISREG(mode)
-                and digest not in self._failed):
-            self._index[digest] = _Entry(_State.PRESENT)
-            self._lru[digest] = None
+                and self._bindex.add_present(digest)):  # (not a failed block)
             self._used_bytes += self.file_bytes
             self._stats["probe_hits"] += 1
         else:
@@ -680,17 +684,18 @@ class DiskTier:
     def touch(self, keys: Iterable[bytes], digests: Iterable[bytes] | None = None) -> None:
         """Marks blocks as recently used (eviction order). ``digests``: the keys'
         :func:`~pykvtier.layout.key_digest`, where the caller has them (``keys`` is then unused)."""
-        lru = self._lru
-        for d in (key_digest(_as_key(k)) for k in keys) if digests is None else digests:
-            if d in lru:
-                lru.move_to_end(d)
+        if digests is None:
+            self._bindex.touch(_native.key_digests([_as_key(k) for k in keys]))
+        else:
+            self._bindex.touch(b"".join(digests))
 
     # ------------------------------------------------------------------ phase 2
 
-    def _check_job(self, job: TransferJob, digests: Iterable[bytes] | None
-                   ) -> tuple[list[bytes], list[int], list[bytes]]:
-        """The job's keys, slot ids and key digests, each iterated once (any iterable),
-        checked."""
+    def _check_job(self, job: TransferJob, digests: Iterable[bytes] | None, unique_slots: bool
+                   ) -> tuple[list[bytes], bytes, bytes]:
+        """The job's keys (a list of bytes), slots (one native int64 each) and key digests (16
+        bytes each), each of job.keys, job.slot_ids and ``digests`` iterated once, checked
+        (_native.check_job: the per-key checks in C++)."""
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
         if self._arena is None:
@@ -701,28 +706,18 @@ class DiskTier:
         if isinstance(job.keys, (bytes, bytearray, memoryview, str)):
             raise TypeError(f"job {job_id}: keys must be a sequence of keys (bytes), not one "
                             f"{type(job.keys).__name__}: wrap a single key in a list")
-        keys = [k if type(k) is bytes else _as_key(k) for k in job.keys]
         if isinstance(job.slot_ids, (bytes, bytearray, memoryview, str)):
             raise TypeError(f"job {job_id}: slot_ids must be a sequence of ints, not one "
                             f"{type(job.slot_ids).__name__}")
+        keys = list(job.keys)
         slots = job.slot_ids
-        slots = slots.tolist() if hasattr(slots, "tolist") else list(slots)  # (numpy: ints)
-        for i, s in enumerate(slots):
-            if type(s) is not int:
-                slots[i] = as_int(s, f"job {job_id}: slot id")
-        if len(keys) != len(slots):
-            raise ValueError(f"job {job_id}: {len(keys)} keys but {len(slots)} slot_ids")
-        n = self._arena.num_slots
-        if slots and not (0 <= min(slots) and max(slots) < n):
-            s = next(s for s in slots if not 0 <= s < n)
-            raise ValueError(f"job {job_id}: slot {s} outside the arena (0..{n - 1})")
-        if digests is None:
-            digests = [_blake2b(k, digest_size=16).digest() for k in keys]
-        else:
+        if hasattr(slots, "tolist"):  # numpy
+            slots = slots.tolist()
+        if digests is not None and not isinstance(digests, (list, tuple)):
             digests = list(digests)
-            if len(digests) != len(keys) or any(type(d) is not bytes or len(d) != 16 for d in digests):
-                raise ValueError(f"job {job_id}: digests must be one 16-byte key_digest per key")
-        return keys, slots, digests
+        digest_buf, slot_buf = _native.check_job(job_id, keys, slots, self._arena.num_slots,
+                                                 unique_slots, digests)
+        return keys, slot_buf, digest_buf
 
     def submit_load(self, job: TransferJob, digests: Sequence[bytes] | None = None) -> None:
         """Loads ``job.keys`` into their arena slots. Returns at once; the result comes from
@@ -732,32 +727,19 @@ class DiskTier:
         Raises ValueError/TypeError for a malformed job (nothing is submitted then), e.g. two
         keys into one slot (their reads would race, and each block's checksum is verified over
         the bytes in its slot)."""
-        keys, slots, digests = self._check_job(job, digests)
-        if len(set(slots)) != len(slots):
-            seen: set[int] = set()
-            s = next(s for s in slots if s in seen or seen.add(s))
-            raise ValueError(f"job {job.job_id}: slot {s} given twice; a load needs a slot per key")
-        pend = _Pending(job, True, keys, [], [], {})
-        entries: list = []
-        index, failed, loading, done = self._index, self._failed, self._loading, pend.done
-        move, block_path, present = self._lru.move_to_end, self.layout.block_path, _State.PRESENT
-        base, stride, bs = self._arena.addr, self._arena.slot_bytes, self.block_size_bytes
-        for key, slot, digest in zip(keys, slots, digests):
-            if digest in failed:
-                done[key] = "an earlier load of this block failed"
-                continue
-            e = index.get(digest)
-            if e is None or e.state is not present:
-                done[key] = "not in the tier" if e is None else f"block is {e.state.name.lower()}"
-                continue
-            e.readers += 1
-            loading[digest] = loading.get(digest, 0) + 1
-            move(digest)
-            pend.keys.append(key)
-            pend.digests.append(digest)
-            entries.append((block_path(digest), bs, base + slot * stride, digest))
+        keys, slots, digests = self._check_job(job, digests, unique_slots=True)
+        codes = self._bindex.admit_loads(digests)  # None: every key admitted
+        pend = _Pending(job, True, keys, keys, digests, slots, {})
+        if codes is not None:
+            keep = [i for i, c in enumerate(codes) if c == _ADMIT_OK]
+            for i, c in enumerate(codes):
+                if c != _ADMIT_OK:
+                    pend.done[keys[i]] = _LOAD_REFUSED[c]
+            pend.keys = [keys[i] for i in keep]
+            pend.digests = b"".join(digests[16 * i:16 * i + 16] for i in keep)
+            pend.slots = b"".join(slots[8 * i:8 * i + 8] for i in keep)
         self._stats["loads_submitted"] += 1
-        self._dispatch(pend, Op.READ_BLOCK, entries)
+        self._dispatch(pend, Op.READ_BLOCK)
 
     def submit_store(self, job: TransferJob, digests: Sequence[bytes] | None = None) -> None:
         """Stores the arena slots of ``job.keys``. Returns at once. Keys already present (or
@@ -765,53 +747,64 @@ class DiskTier:
         ``capacity_bytes``, ``min_free_bytes``); a key that cannot get room fails (reported per
         key). A key that meets a full file system (ENOSPC, EDQUOT) evicts as many blocks and is
         written once more before the job is reported. ``digests``: as for :meth:`submit_load`."""
-        keys, slots, digests = self._check_job(job, digests)
-        pend = _Pending(job, False, keys, [], [], {})
-        entries: list = []
-        index, leftovers, done = self._index, self._leftover_digests, pend.done
-        failed, probe_misses = self._failed, self._probe_misses
-        block_path, tmp_path = self.layout.block_path, self.layout.tmp_path
-        base, stride, bs = self._arena.addr, self._arena.slot_bytes, self.block_size_bytes
-        fb, cap, removing = self.file_bytes, self.capacity_bytes, _State.REMOVING
-        self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
-        for key, slot, digest in zip(keys, slots, digests):
-            e = index.get(digest)
-            if e is not None:  # (also the second of a key given twice in this job)
-                if e.state is removing:
-                    done[key] = "block is being evicted"
-                else:
-                    done[key] = None
-                    self._stats["stores_skipped_present"] += 1
+        keys, slots, digests = self._check_job(job, digests, unique_slots=False)
+        fb = self.file_bytes
+        room = self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
+        if self.capacity_bytes is not None:
+            room = min(room, self.capacity_bytes - self._used_bytes)
+        # New blocks that fit without eviction are admitted in one call; the rest (and every key
+        # while leftover files hold block names) take the per-key path below.
+        max_new = 0 if self._leftover_digests else max(0, min(room // fb, len(keys)))
+        n_new, codes = self._bindex.admit_stores(digests, max_new)
+        self._used_bytes += n_new * fb
+        self._fs_free -= n_new * fb
+        self._writing += n_new
+        pend = _Pending(job, False, keys, keys, digests, slots, {})
+        if codes is not None:
+            self._admit_stores_slowly(pend, keys, slots, digests, codes)
+        if self._probe_misses:
+            for d in _split(pend.digests):
+                self._probe_misses.pop(d, None)
+        self._stats["stores_submitted"] += 1
+        self._dispatch(pend, Op.WRITE_BLOCK)
+
+    def _admit_stores_slowly(self, pend: _Pending, keys: list[bytes], slots: bytes,
+                             digests: bytes, codes: bytes) -> None:
+        """The keys of a store the index did not admit at once: present ones skipped, evicted
+        ones refused, new ones given room one by one (evicting, perhaps recycling a victim's
+        file). Sets the pending job's entries."""
+        done, index = pend.done, self._bindex
+        pend.keys, slot_parts, parts = [], [], []
+        for i, c in enumerate(codes):
+            key, digest = keys[i], digests[16 * i:16 * i + 16]
+            if c == _ADMIT_NEEDS_ROOM:
+                st = index.state(digest)  # (a key given twice: the first one's entry)
+                c = _ADMIT_PRESENT if st in (_PRESENT, _WRITING) else (
+                    _ADMIT_REMOVING if st == _REMOVING else c)
+            if c == _ADMIT_PRESENT:
+                done[key] = None
+                self._stats["stores_skipped_present"] += 1
                 continue
-            if digest in leftovers:
-                done[key] = "an earlier file of this block could not be removed yet"
+            if c == _ADMIT_REMOVING:
+                done[key] = "block is being evicted"
                 continue
-            if ((cap is None or self._used_bytes + fb <= cap)
-                    and self._fs_free - self.min_free_bytes >= fb):  # room: _reserve's fast path
-                self._used_bytes += fb
-                self._fs_free -= fb
-                room: bool | bytes = True
-            else:
+            if c == _ADMIT_NEEDS_ROOM:
+                if digest in self._leftover_digests:
+                    done[key] = "an earlier file of this block could not be removed yet"
+                    continue
                 room = self._reserve(recycle=True)
                 if room is False:
                     self._refuse_store(done, key)
                     continue
-            self._writing += 1
-            index[digest] = _Entry(_State.WRITING)
-            if failed:
-                failed.discard(digest)
-            if probe_misses:
-                probe_misses.pop(digest, None)
+                index.insert_writing(digest)
+                self._writing += 1
+                if room is not True:  # an evicted block's file to reuse
+                    pend.victims[len(parts)] = room
             pend.keys.append(key)
-            pend.digests.append(digest)
-            if room is True:
-                entries.append((tmp_path(digest), block_path(digest), bs, base + slot * stride, digest))
-            else:  # an evicted block's file to reuse
-                pend.victims.append(room)
-                entries.append((tmp_path(digest), block_path(digest), bs, base + slot * stride, digest,
-                                block_path(room)))
-        self._stats["stores_submitted"] += 1
-        self._dispatch(pend, Op.WRITE_BLOCK, entries)
+            slot_parts.append(slots[8 * i:8 * i + 8])
+            parts.append(digest)
+        pend.digests = b"".join(parts)
+        pend.slots = b"".join(slot_parts)
 
     def _refuse_store(self, done: dict, key: bytes) -> None:
         """A key that gets no room: failed, counted, warned about."""
@@ -824,35 +817,31 @@ class DiskTier:
         self._stats["capacity_rejections"] += 1
         self._warn("stores refused", done[key], self.layout.root)
 
-    def _submit(self, op: Any, entries: list) -> int:
-        """Hands entries to the engine as one job; returns its engine job id."""
+    def _submit(self, op: Any, pend: _Pending) -> int:
+        """Hands the pending job's blocks to the engine as one job; returns its engine job id."""
         eid = self._next_engine_job
         self._next_engine_job += 1
-        self._engine.submit(eid, op, entries, direct=self.direct, align=self.align,
-                            mem_align=self.mem_align, fsync=self.fsync, file_mode=self.file_mode,
-                            verify=self.verify)
+        self._engine.submit_blocks(eid, op, self._space, pend.digests, pend.slots,
+                                   pend.victims or None, direct=self.direct, align=self.align,
+                                   mem_align=self.mem_align, fsync=self.fsync,
+                                   file_mode=self.file_mode, verify=self.verify)
         return eid
 
-    def _dispatch(self, pend: _Pending, op: Any, entries: list) -> None:
+    def _dispatch(self, pend: _Pending, op: Any) -> None:
         job_id = pend.job.job_id
-        if not entries:
+        if not pend.digests:
             self._ready.append(self._result(pend))
             return
         try:
-            eid = self._submit(op, entries)
+            eid = self._submit(op, pend)
         except Exception:
-            for v in pend.victims:  # their files were not touched: blocks again
-                e = self._index.get(v)
-                if e is not None and e.state is _State.REMOVING:
-                    e.state = _State.PRESENT
-                    self._lru[v] = None
-                    self._lru.move_to_end(v, last=False)
+            for v in pend.victims.values():  # their files were not touched: blocks again
+                if self._bindex.restore(v):
                     self._used_bytes += self.file_bytes
             pend.victims.clear()
             pend.retried = True  # (no retry of what never ran)
-            self._settle(pend, [-errno.EIO] * len(entries))  # undo the bookkeeping
+            self._settle(pend, [-errno.EIO] * len(pend.keys))  # undo the bookkeeping
             raise
-        pend.entries = entries
         self._pending[eid] = pend
         self._job_ids.add(job_id)
 
@@ -912,17 +901,7 @@ class DiskTier:
     def _take_victims(self, n: int, keep: Iterable[bytes] = ()) -> list[bytes]:
         """Evicts up to n least recently used blocks not being read (nor in ``keep``): out of
         the LRU, REMOVING (their files are still there), counted. Returns their digests."""
-        victims: list[bytes] = []
-        keep = set(keep)
-        for digest in self._lru:
-            if len(victims) >= n:
-                break
-            if self._index[digest].readers or digest in self._loading or digest in keep:
-                continue
-            victims.append(digest)
-        for d in victims:
-            del self._lru[d]
-            self._index[d].state = _State.REMOVING
+        victims = self._bindex.take_victims(n, list(keep) or None)
         self._stats["evictions"] += len(victims)
         if self._removed is not None:
             self._removed.extend(victims)
@@ -991,9 +970,7 @@ class DiskTier:
 
     def _finish_eviction(self, eid: int, results: list[int]) -> None:
         for digest, res in zip(self._evicting.pop(eid), results):
-            e = self._index.get(digest)
-            if e is not None and e.state is _State.REMOVING:
-                del self._index[digest]
+            self._bindex.forget_removed(digest)
             if res < 0 and res != -errno.ENOENT:
                 self._stats["eviction_failures"] += 1
                 path = self.layout.block_path(digest)
@@ -1007,45 +984,39 @@ class DiskTier:
         that met a full file system are retried (see _retry_store)."""
         pend.transfer_s += transfer_s
         pend.submits += submits
-        pend.moved_bytes += sum(r for r in results if r > 0)
+        all_ok = min(results) >= 0
+        moved = sum(results) if all_ok else sum(r for r in results if r > 0)
+        pend.moved_bytes += moved
+        st = self._stats
         no_space: list[tuple[int, int]] = []  # (index in pend.keys, result)
-        for i, (key, digest, res) in enumerate(zip(pend.keys, pend.digests, results)):
-            ok = res >= 0
-            if pend.is_load:
-                n = self._loading[digest] - 1
-                if n:
-                    self._loading[digest] = n
-                else:
-                    del self._loading[digest]
-                e = self._index.get(digest)
-                if e is not None:
-                    e.readers -= 1
-                if ok:
-                    self._stats["blocks_loaded"] += 1
-                    self._stats["bytes_loaded"] += res
-                else:
-                    self._stats["load_failures"] += 1
-                    self._load_failed(digest, res)
-                if digest in self._failed:
-                    self._drop_failed(digest)
-            elif not ok and res in _NO_SPACE and not pend.retried:
-                no_space.append((i, res))  # stays WRITING, its bytes counted
-                continue
-            elif ok:
-                self._writing -= 1
-                self._index[digest].state = _State.PRESENT
-                self._lru[digest] = None
-                self._stats["blocks_stored"] += 1
-                self._stats["bytes_stored"] += res
-            else:
-                self._store_failed(digest, res)
-            pend.done[key] = None if ok else _describe(res)
-        for v in pend.victims:  # renamed away and reused, or removed by the engine
-            e = self._index.get(v)
-            if e is not None and e.state is _State.REMOVING:
-                del self._index[v]
-        if pend.victims:
-            pend.victims = []
+        if pend.is_load:
+            self._used_bytes -= self._bindex.finish_loads(pend.digests) * self.file_bytes
+            st["blocks_loaded"] += len(results) if all_ok else sum(r >= 0 for r in results)
+            st["bytes_loaded"] += moved
+            if not all_ok:
+                for i, res in enumerate(results):
+                    if res < 0:
+                        st["load_failures"] += 1
+                        self._load_failed(pend.digests[16 * i:16 * i + 16], res)
+                        pend.done[pend.keys[i]] = _describe(res)
+        else:
+            n_ok = self._bindex.finish_stores(pend.digests, results)
+            self._writing -= n_ok
+            st["blocks_stored"] += n_ok
+            st["bytes_stored"] += moved
+            if not all_ok:
+                for i, res in enumerate(results):
+                    if res >= 0:
+                        continue
+                    if res in _NO_SPACE and not pend.retried:
+                        no_space.append((i, res))  # stays WRITING, its bytes counted
+                        continue
+                    self._store_failed(pend.digests[16 * i:16 * i + 16], res)
+                    pend.done[pend.keys[i]] = _describe(res)
+        if pend.victims:  # renamed away and reused, or removed by the engine
+            for v in pend.victims.values():
+                self._bindex.forget_removed(v)
+            pend.victims = {}
             failures = self._engine.stats()["recycle_failures"]
             if failures > self._recycle_failures_seen:
                 for _ in range(failures - self._recycle_failures_seen):
@@ -1059,7 +1030,7 @@ class DiskTier:
     def _store_failed(self, digest: bytes, res: int) -> None:
         self._writing -= 1
         self._stats["store_failures"] += 1
-        del self._index[digest]
+        self._bindex.erase_writing(digest)
         self._used_bytes -= self.file_bytes
         self._fs_free += self.file_bytes
         self._warn("stores failed", _describe(res), self.layout.block_path(digest))
@@ -1070,18 +1041,18 @@ class DiskTier:
         caller's job is reported after that. False (the keys failed) when nothing can be
         evicted."""
         self._fs_checked_at = -math.inf  # free space is not what it was estimated to be
-        eid = self._evict(len(no_space) * self.file_bytes, keep=pend.digests)  # not its own
+        eid = self._evict(len(no_space) * self.file_bytes, keep=_split(pend.digests))  # not its own
         if eid is None:
             for i, res in no_space:
-                self._store_failed(pend.digests[i], res)
+                self._store_failed(pend.digests[16 * i:16 * i + 16], res)
                 pend.done[pend.keys[i]] = _describe(res)
             return False
         pend.retried = True
+        # The engine names a new temporary each (the failed one may be a leftover); no file
+        # is recycled.
         pend.keys = [pend.keys[i] for i, _ in no_space]
-        pend.digests = [pend.digests[i] for i, _ in no_space]
-        # A new temporary name each (the failed one may be a leftover), no file to recycle.
-        pend.entries = [(self.layout.tmp_path(d),) + tuple(pend.entries[i][1:5])
-                        for (i, _), d in zip(no_space, pend.digests)]
+        pend.digests = b"".join(pend.digests[16 * i:16 * i + 16] for i, _ in no_space)
+        pend.slots = b"".join(pend.slots[8 * i:8 * i + 8] for i, _ in no_space)
         self._stats["store_retries"] += len(no_space)
         self._retry_after[eid] = pend
         return True
@@ -1116,17 +1087,18 @@ class DiskTier:
     def _resubmit(self, pend: _Pending) -> None:
         """Writes a store's retried keys (see _retry_store) once the evictions made room."""
         try:
-            eid = self._submit(Op.WRITE_BLOCK, pend.entries)
+            eid = self._submit(Op.WRITE_BLOCK, pend)
         except Exception as exc:  # the engine took these entries once: not expected
             logger.error("pykvtier: resubmitting a store failed: %s", exc)
-            self._ready.append(self._settle(pend, [-errno.EIO] * len(pend.entries)))
+            self._ready.append(self._settle(pend, [-errno.EIO] * len(pend.keys)))
             return
         self._pending[eid] = pend
 
     def _result(self, pend: _Pending) -> JobResult:
         self._job_ids.discard(pend.job.job_id)
         keys = pend.job_keys
-        failed = {k: pend.done[k] for k in keys if pend.done.get(k) is not None}
+        done = pend.done
+        failed = {k: done[k] for k in keys if done.get(k) is not None} if done else {}
         ok_keys = [k for k in keys if k not in failed]
         success = not failed
         return JobResult(
@@ -1171,7 +1143,7 @@ class DiskTier:
         for path, digest in list(self._leftovers.items()):
             fanout, name = os.path.split(path)
             blocks, sub = os.path.split(fanout)
-            if (digest is not None and digest in self._index) or blocks != self.layout.blocks_dir:
+            if (digest is not None and digest in self._bindex) or blocks != self.layout.blocks_dir:
                 self._forget_leftover(path)  # a block again (counted by the index), or not ours
                 continue
             try:
@@ -1215,9 +1187,8 @@ class DiskTier:
 
     def _load_failed(self, digest: bytes, res: int) -> None:
         """A load failed: the key is a MISS from now on; a corrupt file is quarantined."""
-        if self._removed is not None and digest not in self._failed:
+        if self._bindex.mark_failed(digest) and self._removed is not None:
             self._removed.append(digest)
-        self._failed.add(digest)
         path = self.layout.block_path(digest)
         if res in _CORRUPT:
             self._stats["verify_failures"] += 1
@@ -1225,11 +1196,9 @@ class DiskTier:
             self._warn("blocks failed verification (quarantined)", _describe(res), path)
         else:
             self._warn("loads failed", _describe(res), path)
-            e = self._index.get(digest)
-            if res != -errno.ENOENT and e is not None and e.state is _State.PRESENT and not e.readers:
-                # The file is still there but unreadable: remove it (bytes freed at once).
-                e.state = _State.REMOVING
-                self._lru.pop(digest, None)
+            # The file is still there but unreadable: remove it (bytes freed at once), unless
+            # loads still read it.
+            if res != -errno.ENOENT and self._bindex.set_removing(digest):
                 self._used_bytes -= self.file_bytes
                 self._unlink_async([digest])
         self._drop_failed(digest)
@@ -1259,12 +1228,8 @@ class DiskTier:
 
     def _drop_failed(self, digest: bytes) -> None:
         """Forgets a failed block once no load reads it any more."""
-        e = self._index.get(digest)
-        if e is None or e.state is not _State.PRESENT or e.readers:
-            return
-        del self._index[digest]
-        self._lru.pop(digest, None)
-        self._used_bytes -= self.file_bytes
+        if self._bindex.drop_failed(digest):
+            self._used_bytes -= self.file_bytes
 
     def take_removed(self) -> list[bytes]:
         """Digests (see :func:`~pykvtier.layout.key_digest`) of blocks that stopped being
@@ -1313,6 +1278,7 @@ class DiskTier:
             self._retry_leftovers()
         self._flush_warnings(force=True)
         self._closed = True
+        self._bindex.close()
         _open_tiers.discard(self)
         try:
             if self._engine is not self._host_engine:
@@ -1328,6 +1294,8 @@ class DiskTier:
     def _abandon(self) -> None:
         """Lets go of what a failed start took (see _undo_on_failure); never raises."""
         self._closed = True
+        if "_bindex" in self.__dict__:
+            self._bindex.close()
         _open_tiers.discard(self)
         for name, close in (("_engine", "shutdown"), ("_host_engine", "shutdown"), ("_probe", "close"),
                             ("_root_lock", "release")):
@@ -1362,11 +1330,12 @@ class DiskTier:
     @property
     def num_blocks(self) -> int:
         """Blocks present (loadable now)."""
-        return len(self._lru)
+        return self._bindex.present
 
     def stats(self) -> dict[str, int]:
         """Counters of this tier and its engine (see the keys), plus ``used_bytes``."""
         s = dict(self._stats)
+        s.update(self._bindex.counts())
         eng = self._engine.stats()
         s["submits"] = eng["submits"]
         s["engine_sqes"] = eng["sqes"]
@@ -1377,7 +1346,7 @@ class DiskTier:
         s["loads_unchecked_payload"] = eng["loads_unchecked_payload"]
         s["used_bytes"] = self._used_bytes
         s["leftover_files"] = len(self._leftovers)
-        s["blocks_present"] = len(self._lru)
+        s["blocks_present"] = self._bindex.present
         s["direct"] = int(self.direct)
         s["quarantine_files"] = self._quarantine_box.files
         s["quarantine_bytes"] = self._quarantine_box.bytes

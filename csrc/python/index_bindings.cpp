@@ -4,8 +4,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
+#include <vector>
 
 #include "key_digest.hpp"
 #include "module_parts.hpp"
@@ -73,9 +77,101 @@ int lookup_key(PyBlockIndex& self, py::handle key) {
   return int(self.index.lookup(d));
 }
 
+
+// The per-key checks of a DiskTier job (see check_job's docstring). Raises with the job's id.
+py::tuple check_job(int64_t job_id, py::list keys, py::handle slots, uint64_t num_slots, bool unique_slots,
+                    py::handle digests) {
+  const std::string job = "job " + std::to_string(job_id) + ": ";
+  PyObject* seq = PySequence_Fast(slots.ptr(), "slot_ids must be a sequence of ints");
+  if (seq == nullptr) throw py::error_already_set();
+  py::object hold = py::reinterpret_steal<py::object>(seq);
+  const size_t n = size_t(PyList_GET_SIZE(keys.ptr()));
+  const size_t ns = size_t(PySequence_Fast_GET_SIZE(seq));
+  if (ns != n)
+    throw py::value_error(job + std::to_string(n) + " keys but " + std::to_string(ns) + " slot_ids");
+  std::string slot_buf(n * sizeof(int64_t), '\0');
+  auto* out = reinterpret_cast<int64_t*>(slot_buf.data());
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* o = items[i];
+    long long v;
+    if (PyLong_CheckExact(o)) {
+      v = PyLong_AsLongLong(o);
+    } else {
+      if (PyBool_Check(o)) throw py::type_error(job + "slot id must be an integer, not bool");
+      PyObject* idx = PyNumber_Index(o);
+      if (idx == nullptr) {
+        PyErr_Clear();
+        throw py::type_error(job + "slot id must be an integer, not " + type_name(o));
+      }
+      v = PyLong_AsLongLong(idx);
+      Py_DECREF(idx);
+    }
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      v = -1;  // (beyond int64: outside the arena either way)
+    }
+    if (v < 0 || uint64_t(v) >= num_slots)
+      throw py::value_error(job + "slot " + py::str(o).cast<std::string>() + " outside the arena (0.." +
+                            std::to_string(num_slots - 1) + ")");
+    out[i] = v;
+  }
+  if (unique_slots && n > 1) {
+    std::vector<int64_t> sorted(out, out + n);
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+      std::unordered_set<int64_t> seen;
+      for (size_t i = 0; i < n; ++i)
+        if (!seen.insert(out[i]).second)
+          throw py::value_error(job + "slot " + std::to_string(out[i]) +
+                                " given twice; a load needs a slot per key");
+    }
+  }
+  std::string digest_buf(n * kDigestBytes, '\0');
+  auto* dst = reinterpret_cast<uint8_t*>(digest_buf.data());
+  const bool given = !digests.is_none();
+  for (size_t i = 0; i < n; ++i) {  // keys as bytes (a bytearray or memoryview copied)
+    PyObject* k = PyList_GET_ITEM(keys.ptr(), Py_ssize_t(i));
+    if (!PyBytes_CheckExact(k)) {
+      if (PyUnicode_Check(k) || !PyObject_CheckBuffer(k))
+        throw py::type_error("key must be bytes, not " + type_name(k));
+      PyObject* b = PyBytes_FromObject(k);
+      if (b == nullptr) throw py::error_already_set();
+      PyList_SetItem(keys.ptr(), Py_ssize_t(i), b);  // (steals b, releases the old item)
+      k = b;
+    }
+    if (!given) detail::key_digest(PyBytes_AS_STRING(k), size_t(PyBytes_GET_SIZE(k)), dst + i * kDigestBytes);
+  }
+  if (given) {
+    const std::string bad = job + "digests must be one 16-byte key_digest per key";
+    PyObject* dseq = PySequence_Fast(digests.ptr(), "digests must be a sequence");
+    if (dseq == nullptr) {
+      PyErr_Clear();
+      throw py::value_error(bad);
+    }
+    py::object dhold = py::reinterpret_steal<py::object>(dseq);
+    if (size_t(PySequence_Fast_GET_SIZE(dseq)) != n) throw py::value_error(bad);
+    PyObject** ds = PySequence_Fast_ITEMS(dseq);
+    for (size_t i = 0; i < n; ++i) {
+      if (!PyBytes_CheckExact(ds[i]) || PyBytes_GET_SIZE(ds[i]) != Py_ssize_t(kDigestBytes))
+        throw py::value_error(bad);
+      std::memcpy(dst + i * kDigestBytes, PyBytes_AS_STRING(ds[i]), kDigestBytes);
+    }
+  }
+  return py::make_tuple(py::bytes(digest_buf), py::bytes(slot_buf));
+}
+
 }  // namespace
 
 void register_block_index(py::module_& m) {
+  m.def("check_job", &check_job, py::arg("job_id"), py::arg("keys"), py::arg("slots"), py::arg("num_slots"),
+        py::arg("unique_slots"), py::arg("digests") = py::none(), R"doc(
+The per-key checks of a DiskTier job, in one call: ``keys`` (a list, changed in place: a bytearray or
+memoryview key becomes bytes; TypeError "key must be bytes, not <type>" otherwise), ``slots`` (a
+sequence of integers, one per key, each in [0, num_slots); with unique_slots no slot twice) and the
+keys' digests (``digests``: one 16-byte key_digest per key where the caller has them, else computed
+here). Returns (digests: bytes of 16 per key, slots: bytes of one native int64 per key). TypeError /
+ValueError naming the job ("job <id>: ...") and the slot; nothing is changed but ``keys`` then.)doc");
   py::class_<PyBlockIndex>(m, "BlockIndex", R"doc(
 The block index of one tier root (include/pykvtier/block_index.hpp): each key digest's state
 (BlockState: 0 absent, 1 present, 2 writing, 3 removing, 4 failed: a tombstone, MISS until stored

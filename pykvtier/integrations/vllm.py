@@ -84,6 +84,8 @@ _LOOKUP = {
     TierLookupResult.RETRY: LookupResult.RETRY,
     TierLookupResult.MISS: LookupResult.MISS,
 }
+#: DiskTier.lookup_code's answers (0 HIT, 1 MISS, 2 RETRY, 3 HIT_PENDING) as vLLM's.
+_LOOKUP_CODE = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT)
 
 class PyKVTierMetrics:
     """Prometheus metric names of the tier's own figures; counters and gauges are labelled by
@@ -410,6 +412,7 @@ class PyKVTier(SecondaryTierManager):
         self.roots = cfg.root_dir
         self._open_roots(cfg, offloading_spec, view)
         self._single = self._tiers[0] if len(self._tiers) == 1 else None
+        self._single_code = self._single.lookup_code if self._single is not None else None
         self.engine_name = self._tiers[0].engine_name
         self.direct = all(t.direct for t in self._tiers)
         self._jobs: dict[int, _Job] = {}
@@ -503,8 +506,9 @@ class PyKVTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT, MISS or RETRY from the in-memory index; never blocks (see DiskTier.lookup)."""
-        if self._single is not None:
-            return _LOOKUP[self._single.lookup(key)]
+        if self._single_code is not None:
+            r = self._single_code(key)  # one call into the tier's index
+            return _LOOKUP_CODE[r] if r < 4 else _LOOKUP[self._single.lookup(key)]
         d = key_digest(key)  # once: the shard and the tier's index
         return _LOOKUP[self._tiers[self._shard(d)].lookup_digest(d)]
 
