@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Sets up pykvtier on Debian/Ubuntu: system packages (liburing, xxHash, compilers, fio), then a
-# virtual environment at .venv with pykvtier built and installed with its test extras, and vLLM
-# (CPU, --no-deps, requirements-vllm.txt) for the vLLM plug-in's tests.
+# Sets up pykvtier on Debian/Ubuntu: system packages (liburing, xxHash, libb2, compilers, fio),
+# then a virtual environment at .venv with pykvtier built and installed with its test extras, and
+# vLLM (CPU, --no-deps, requirements-vllm.txt) for the vLLM plug-in's tests.
 # Idempotent; runs as root or through sudo. Usage: bash scripts/setup.sh [--editable]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-PKGS=(liburing-dev libxxhash-dev pkg-config build-essential python3-dev python3-venv fio btrfs-progs)
+PKGS=(liburing-dev libxxhash-dev libb2-dev pkg-config build-essential python3-dev python3-venv fio btrfs-progs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

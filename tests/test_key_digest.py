@@ -1,11 +1,19 @@
 """The key digest in C++ (libb2): _native.key_digest / key_digests and layout.key_digest equal
-hashlib's BLAKE2b-128 for every key, for each accepted key type, and refuse other types by name."""
+hashlib's BLAKE2b-128 for every key, for each accepted key type, and refuse other types by name;
+and the build names libb2's packages where libb2 is missing."""
 
 from __future__ import annotations
 
 import array
+import glob
 import hashlib
+import os
 import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -105,3 +113,55 @@ def test_non_contiguous_and_released_memoryviews_are_refused():
     released.release()
     with pytest.raises(ValueError, match="released memoryview"):
         _native.key_digest(released)
+
+
+# --- the build: CMake names libb2's packages when libb2 is missing ---------------------------
+
+_CMAKE = shutil.which("cmake")
+_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _configure(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """CMake's configure of the repository in a fresh build folder, gds off."""
+    pybind11 = pytest.importorskip("pybind11", reason="pybind11 (a build requirement) is not installed")
+    build = tempfile.mkdtemp(prefix="pykvtier-cmake-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp_path)
+    try:
+        return subprocess.run([_CMAKE, "-S", _REPO, "-B", build, f"-DPython_EXECUTABLE={sys.executable}",
+                               "-DPYKVTIER_GDS=OFF", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+
+
+def _error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    return " ".join(proc.stderr.split())
+
+
+@pytest.mark.skipif(_CMAKE is None, reason="cmake is not installed")
+def test_configure_reports_libb2(tmp_path):
+    proc = _configure(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"pykvtier: linking libb2 (statically|dynamically): /\S*libb2\.(a|so)", proc.stdout)
+
+
+@pytest.mark.skipif(_CMAKE is None, reason="cmake is not installed")
+def test_missing_libb2_header_names_its_packages(tmp_path):
+    empty = tmp_path / "include"
+    empty.mkdir()
+    err = _error(_configure(tmp_path, f"-DB2_INCLUDE_DIR={empty}"))
+    assert "libb2's header blake2.h (BLAKE2, for the key digest) not found" in err
+    assert "apt-get install libb2-dev" in err and "dnf install libb2-devel" in err
+
+
+@pytest.mark.skipif(_CMAKE is None, reason="cmake is not installed")
+def test_missing_libb2_library_names_its_packages(tmp_path):
+    # CMake's find_library ignores every folder holding a libb2 library (and what links there).
+    found = [p for d in ("/usr/local/lib", "/usr/local/lib64", "/usr/lib", "/usr/lib64", "/lib", "/lib64")
+             for p in glob.glob(f"{d}/libb2.*") + glob.glob(f"{d}/*/libb2.*")]
+    dirs = sorted({os.path.dirname(p) for p in found} | {os.path.dirname(os.path.realpath(p)) for p in found})
+    if not dirs:
+        pytest.skip("no libb2 library in the standard library folders to hide")
+    err = _error(_configure(tmp_path, f"-DCMAKE_IGNORE_PATH={';'.join(dirs)}"))
+    assert "libb2's library (libb2.a or libb2.so, BLAKE2 for the key digest) not found" in err
+    assert "apt-get install libb2-dev" in err and "dnf install libb2-devel" in err
