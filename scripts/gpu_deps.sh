@@ -4,7 +4,7 @@
 # .git/info/exclude -- and carried to the GPU machine with the working tree):
 #
 #   DIR/debs/    liburing-dev, liburing2 (io_uring: header + static liburing.a), libxxhash-dev
-#                (xxhash.h), pkgconf-bin + libpkgconf3 (pkg-config, where the machine has none).
+#                (xxhash.h), libb2-dev + libb2-1 (key digests: blake2.h + libb2.a), pkgconf-bin + libpkgconf3 (pkg-config, where the machine has none).
 #                Debian packages, unpacked there with `dpkg -x` into a private prefix (never into /).
 #   DIR/wheels/  libkvikio-cu<N> + kvikio-cu<N> (kvikio, C++ and Python), rapids-logger (libkvikio
 #                needs it), cffi + pycparser (pykvtier's build), for CPython <PY> on manylinux x86_64.
@@ -22,7 +22,7 @@ KVIKIO=${PYKVTIER_KVIKIO:-26.10.0}
 mkdir -p "$DIR/debs" "$DIR/wheels"
 
 echo "gpu_deps: Debian packages -> $DIR/debs"
-(cd "$DIR/debs" && apt-get download liburing-dev liburing2 libxxhash-dev pkgconf-bin libpkgconf3) || {
+(cd "$DIR/debs" && apt-get download liburing-dev liburing2 libxxhash-dev libb2-dev libb2-1 pkgconf-bin libpkgconf3) || {
   echo "gpu_deps: apt-get download failed; run 'apt-get update' first" >&2
   exit 1
 }
