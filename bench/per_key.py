@@ -30,7 +30,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 try:
-    import pykvtier  # noqa: F401
+    import pykvtier  # noqa: F401  (the installed one; else the source tree above)
 except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
