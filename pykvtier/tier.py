@@ -329,6 +329,9 @@ class DiskTier:
         self.layout.check_block_size(cfg.block_size_bytes, self.file_mode)
         self._quarantine_box = Quarantine(self.layout, cfg.quarantine_max_files)
         self.direct = self._choose_direct(cfg.direct)
+        self._submit_options = _native.SubmitOptions(  # every block job's, checked once
+            direct=self.direct, align=self.align, mem_align=self.mem_align, fsync=self.fsync,
+            file_mode=self.file_mode, verify=self.verify)
         self._host_engine = make_host_engine(cfg.engine, cfg.queue_depth, cfg.max_inflight_bytes)
         self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if cfg.shared else None
         self._init_state(cfg)
@@ -822,9 +825,7 @@ class DiskTier:
         eid = self._next_engine_job
         self._next_engine_job += 1
         self._engine.submit_blocks(eid, op, self._space, pend.digests, pend.slots,
-                                   pend.victims or None, direct=self.direct, align=self.align,
-                                   mem_align=self.mem_align, fsync=self.fsync,
-                                   file_mode=self.file_mode, verify=self.verify)
+                                   pend.victims or None, self._submit_options)
         return eid
 
     def _dispatch(self, pend: _Pending, op: Any) -> None:

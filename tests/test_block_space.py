@@ -331,6 +331,104 @@ def test_submit_blocks_value_errors(engine, layout, arena):
     assert block_files(layout) == []
 
 
+def test_submit_options():
+    """SubmitOptions: the submit keywords checked once, mem_align resolved, as_kwargs for Python
+    engines; the same ValueErrors as the keywords."""
+    o = _native.SubmitOptions()
+    assert (o.direct, o.align, o.mem_align, o.fsync, o.file_mode, o.verify) == (True, 4096, 4096, False, 0o600,
+                                                                                "payload")
+    o = _native.SubmitOptions(direct=False, align=512, fsync=True, file_mode=0o640, verify="header")
+    assert o.mem_align == 512  # 0: align
+    assert o.as_kwargs() == {"direct": False, "align": 512, "mem_align": 512, "fsync": True, "file_mode": 0o640,
+                             "verify": "header"}
+    assert repr(o) == ("SubmitOptions(direct=False, align=512, mem_align=512, fsync=True, file_mode=0o640, "
+                       "verify='header')")
+    assert _native.SubmitOptions(align=512, mem_align=4096).mem_align == 4096
+    for kw, text in [({"verify": "all"}, "verify must be \"payload\" or \"header\", got 'all'"),
+                     ({"align": 3000}, "align must be a power of two"),
+                     ({"mem_align": 48}, "mem_align must be a power of two"),
+                     ({"file_mode": 0o1600}, "file_mode must be permission bits (within 0o777) with owner read "
+                                             "and write (0o600) set, got 0o1600")]:
+        with pytest.raises(ValueError) as ei:
+            _native.SubmitOptions(**kw)
+        assert str(ei.value) == text, kw
+    with pytest.raises(TypeError):
+        _native.SubmitOptions(False)  # keywords only
+
+
+def test_submit_blocks_options_apply(engine, layout, arena):
+    """A SubmitOptions given to submit_blocks is the job's: verify="header" loads a block whose
+    payload was changed on disk (its checksum is not read), verify="payload" refuses it. Options
+    and keywords together, or options of another type, raise before anything is queued."""
+    src = arena(2, BS)
+    src[:] = np.random.default_rng(3).integers(0, 256, src.shape, dtype=np.uint8)
+    space = space_of(layout, src)
+    d = digests_of(b"x", b"y")
+    buffered = _native.SubmitOptions(direct=False)
+    engine.submit_blocks(1, Op.WRITE_BLOCK, space, d, np.array([0, 1], dtype=np.int64), None, buffered)
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[BS, BS]]
+    path = space.block_path(d[:16])
+    with open(path, "r+b") as f:  # one payload byte changed: the header still matches
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    dst = arena(2, BS)
+    back = space_of(layout, dst)
+    header = _native.SubmitOptions(direct=False, verify="header")
+    engine.submit_blocks(2, Op.READ_BLOCK, back, d, np.array([0, 1], dtype=np.int64), None, header)
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[BS, BS]]
+    expected = src[0].copy()
+    expected[-1] ^= 0xFF
+    assert np.array_equal(dst[0], expected) and np.array_equal(dst[1], src[1])
+    engine.submit_blocks(3, Op.READ_BLOCK, back, d, np.array([0, 1], dtype=np.int64), None, buffered)
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[int(_native.BlockError.CHECKSUM), BS]]
+    s2 = np.array([0, 1], dtype=np.int64)
+    with pytest.raises(ValueError) as ei:
+        engine.submit_blocks(4, Op.READ_BLOCK, back, d, s2, None, buffered, direct=False)
+    assert str(ei.value) == "submit_blocks takes options (a SubmitOptions) or the option keywords, not both"
+    with pytest.raises(TypeError) as ei:
+        engine.submit_blocks(5, Op.READ_BLOCK, back, d, s2, None, {"direct": False})
+    assert str(ei.value) == "options must be a pykvtier._native.SubmitOptions or None, not dict"
+    assert engine.pending_jobs() == 0 and engine.poll() == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_uring_wakeups_from_threads(layout, workers):
+    """Jobs submitted from two threads at once to a uring engine (one eventfd write wakes a worker
+    for every job queued before it looks at the queues): every job finishes; none is left queued
+    behind a wake-up that was not written (engine.wait would time out)."""
+    e = _native.Engine(queue_depth=8, workers=workers)
+    space = BlockSpace(layout.blocks_dir, BS, 4096, BS, 1)  # UNLINK moves no memory
+    for i in range(5):  # one at a time: each job finds the worker asleep, with nothing in flight
+        e.submit_blocks(100_000 + i, Op.UNLINK, space, key_digest(b"one%d" % i))
+        assert e.wait(30.0), f"job {100_000 + i} not finished after 30 s: a lost wake-up"
+        assert [(j.job_id, j.results) for j in e.poll()] == [(100_000 + i, [-errno.ENOENT])]
+    n = 300
+
+    def submit(base: int) -> None:
+        for i in range(n):
+            e.submit_blocks(base + i, Op.UNLINK, space, key_digest(b"absent%d" % (base + i)))
+
+    threads = [threading.Thread(target=submit, args=(b,)) for b in (0, 10_000)]
+    for t in threads:
+        t.start()
+    got: dict[int, list[int]] = {}
+    while len(got) < 2 * n:
+        for j in e.poll():
+            got[j.job_id] = j.results
+        if len(got) < 2 * n and not e.wait(30.0) and e.pending_jobs() > 0:
+            pytest.fail(f"{e.pending_jobs()} jobs still pending after 30 s: a lost wake-up")
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(n)) + list(range(10_000, 10_000 + n))
+    assert set(map(tuple, got.values())) == {(-errno.ENOENT,)}
+    e.shutdown()
+
+
 # ------------------------------------------------------------------------- the bounce engine
 
 
@@ -354,7 +452,7 @@ def test_bounce_engine_submit_blocks(layout, arena, host):
 
         dev2 = arena(n, BS)
         eng.submit_blocks(22, Op.READ_BLOCK, space_of(layout, dev2), d, np.arange(n - 1, -1, -1, dtype=np.int64),
-                          direct=False)
+                          None, _native.SubmitOptions(direct=False))
         eng.drain()
         (job,) = eng.poll()
         assert (job.job_id, job.results) == (22, [BS] * n)
@@ -368,6 +466,10 @@ def test_bounce_engine_submit_blocks(layout, arena, host):
         with pytest.raises(ValueError) as ei:
             eng.submit_blocks(24, Op.READ_BLOCK, space, d, None)
         assert str(ei.value) == "slots is required for read_block"
+        with pytest.raises(ValueError) as ei:
+            eng.submit_blocks(24, Op.READ_BLOCK, space, d, np.arange(n, dtype=np.int64), None,
+                              _native.SubmitOptions(direct=False), direct=False)
+        assert str(ei.value) == "submit_blocks takes options (a SubmitOptions) or the option keywords, not both"
 
         eng.submit_blocks(25, Op.UNLINK, space, d[:16] + key_digest(b"absent"))
         eng.drain()

@@ -50,6 +50,39 @@ void register_job_types(py::module_& m) {
   for (size_t i = 0; i < std::size(kStatsKeys); ++i) keys[i] = py::str(kStatsKeys[i]);
   m.attr("STATS_KEYS") = keys;
 
+  using python::SubmitOptions;
+  py::class_<SubmitOptions>(m, "SubmitOptions", R"doc(
+The submit options of a job, checked once: SubmitOptions(*, direct=True, align=4096,
+mem_align=0, fsync=False, file_mode=0o600, verify="payload"), the keywords of every engine's
+submit (pykvtier.engines.Engine). An engine's submit_blocks takes it as its options argument in
+place of the keywords (nothing parsed per job). mem_align 0 means align (the attribute holds the
+resolved value). Raises ValueError naming a bad option. Immutable.
+)doc")
+      .def(py::init(&python::make_options), py::kw_only(), py::arg("direct") = true, py::arg("align") = 4096,
+           py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("file_mode") = 0600,
+           py::arg("verify") = "payload")
+      .def_readonly("direct", &SubmitOptions::direct)
+      .def_readonly("align", &SubmitOptions::align)
+      .def_readonly("mem_align", &SubmitOptions::mem_align)
+      .def_readonly("fsync", &SubmitOptions::fsync)
+      .def_readonly("file_mode", &SubmitOptions::file_mode)
+      .def_property_readonly("verify", [](const SubmitOptions& o) { return o.verify == Verify::Header ? "header" : "payload"; })
+      .def(
+          "as_kwargs",
+          [](const SubmitOptions& o) {
+            return py::dict(py::arg("direct") = o.direct, py::arg("align") = o.align, py::arg("mem_align") = o.mem_align,
+                            py::arg("fsync") = o.fsync, py::arg("file_mode") = o.file_mode,
+                            py::arg("verify") = o.verify == Verify::Header ? "header" : "payload");
+          },
+          "The options as submit's keywords (a dict), for engines written in Python.")
+      .def("__repr__", [](const SubmitOptions& o) {
+        std::ostringstream r;
+        r << "SubmitOptions(direct=" << (o.direct ? "True" : "False") << ", align=" << o.align
+          << ", mem_align=" << o.mem_align << ", fsync=" << (o.fsync ? "True" : "False") << ", file_mode=0o"
+          << std::oct << o.file_mode << ", verify='" << (o.verify == Verify::Header ? "header" : "payload") << "')";
+        return r.str();
+      });
+
   py::class_<FinishedJob>(m, "FinishedJob", R"doc(
 A finished job, as every engine's poll() reports it: job_id (int), op (Op), results (list of int,
 one per entry: bytes moved, -errno, or a BlockError value), submits (int), queued_s, transfer_s

@@ -265,15 +265,39 @@ inline void block_requests(const BlockSpace& space, Op op, py::handle digests, p
   }
 }
 
-// The submit keywords every engine takes (pykvtier.engines.Engine.submit).
+// The submit keywords every engine takes (pykvtier.engines.Engine.submit), checked once
+// (make_options); bound as pykvtier._native.SubmitOptions for callers that submit many jobs with
+// the same options (submit_blocks' options argument: no keywords parsed per job).
 struct SubmitOptions {
   bool direct = true;
   uint32_t align = 4096;
-  uint32_t mem_align = 0;  // 0: align
+  uint32_t mem_align = 4096;  // resolved: 0 given means align
   bool fsync = false;
   uint32_t file_mode = 0600;
-  std::string verify = "payload";
+  Verify verify = Verify::Payload;
 };
+
+// The options, checked: ValueError naming the bad one (file_mode outside 0o777 or without 0o600,
+// align or mem_align not a power of two, verify not "payload"/"header").
+inline SubmitOptions make_options(bool direct, uint32_t align, uint32_t mem_align, bool fsync, uint32_t file_mode,
+                                  const std::string& verify) {
+  SubmitOptions o;
+  o.direct = direct;
+  o.fsync = fsync;
+  o.verify = verify_from_name(verify);
+  if ((file_mode & ~0777u) || (file_mode & 0600u) != 0600u) {
+    std::ostringstream m;
+    m << "file_mode must be permission bits (within 0o777) with owner read and write (0o600) set, got 0o"
+      << std::oct << file_mode;
+    throw py::value_error(m.str());
+  }
+  o.file_mode = file_mode;
+  if (align == 0 || (align & (align - 1))) throw py::value_error("align must be a power of two");
+  o.align = align;
+  o.mem_align = mem_align == 0 ? align : mem_align;
+  if (o.mem_align & (o.mem_align - 1)) throw py::value_error("mem_align must be a power of two");
+  return o;
+}
 
 // What an engine's bindings tell make_job: how it names its memory, whether it recycles files,
 // whether O_DIRECT's memory/offset/length alignment is checked here (host engines).
@@ -307,30 +331,18 @@ inline void check_direct_alignment(const Job& job, uint32_t mem_align) {
   }
 }
 
-// A job of no requests yet with the submit keywords o applied (ValueError naming a bad one);
-// mem_align: the memory alignment O_DIRECT is checked against. fix_mode(file_mode): whether
-// created files need their mode set after creation (detail/safe_path.hpp mode_needs_fix for host
-// engines).
-inline std::unique_ptr<Job> new_job(uint64_t id, py::handle op, const SubmitOptions& o,
-                                    bool (*fix_mode)(uint32_t), uint32_t& mem_align) {
+// A job of no requests yet with the options o applied. fix_mode(file_mode): whether created
+// files need their mode set after creation (detail/safe_path.hpp mode_needs_fix for host engines).
+inline std::unique_ptr<Job> new_job(uint64_t id, py::handle op, const SubmitOptions& o, bool (*fix_mode)(uint32_t)) {
   auto job = std::make_unique<Job>();
   job->id = id;
   job->op = op_from_object(op);
-  job->verify = verify_from_name(o.verify);
+  job->verify = o.verify;
   job->direct = o.direct;
   job->fsync = o.fsync;
-  if ((o.file_mode & ~0777u) || (o.file_mode & 0600u) != 0600u) {
-    std::ostringstream m;
-    m << "file_mode must be permission bits (within 0o777) with owner read and write (0o600) set, got 0o"
-      << std::oct << o.file_mode;
-    throw py::value_error(m.str());
-  }
   job->file_mode = o.file_mode;
   job->fix_mode = fix_mode ? fix_mode(o.file_mode) : false;
-  if (o.align == 0 || (o.align & (o.align - 1))) throw py::value_error("align must be a power of two");
   job->align = o.align;
-  mem_align = o.mem_align == 0 ? o.align : o.mem_align;
-  if (mem_align & (mem_align - 1)) throw py::value_error("mem_align must be a power of two");
   return job;
 }
 
@@ -339,10 +351,9 @@ inline std::unique_ptr<Job> new_job(uint64_t id, py::handle op, const SubmitOpti
 inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::sequence& entries,
                                      const SubmitOptions& o, const EngineTraits& traits,
                                      bool (*fix_mode)(uint32_t)) {
-  uint32_t mem_align = 0;
-  auto job = new_job(id, op, o, fix_mode, mem_align);
+  auto job = new_job(id, op, o, fix_mode);
   parse_entries(*job, entries, traits.addr_kind, traits.recycles);
-  if (o.direct && traits.check_direct_alignment) check_direct_alignment(*job, mem_align);
+  if (o.direct && traits.check_direct_alignment) check_direct_alignment(*job, o.mem_align);
   return job;
 }
 
@@ -350,17 +361,22 @@ inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::seque
 inline std::unique_ptr<Job> make_block_job(uint64_t id, py::handle op, const BlockSpace& space, py::handle digests,
                                            py::handle slots, py::handle victims, const SubmitOptions& o,
                                            const EngineTraits& traits, bool (*fix_mode)(uint32_t)) {
-  uint32_t mem_align = 0;
-  auto job = new_job(id, op, o, fix_mode, mem_align);
+  auto job = new_job(id, op, o, fix_mode);
+  const uint32_t mem_align = o.mem_align;
   block_requests(space, job->op, digests, slots, victims, traits.recycles, job->reqs);
-  for (size_t i = 0; i < job->reqs.size(); ++i) check_request(i, job->op, job->reqs[i], traits.addr_kind);
-  if (o.direct && traits.check_direct_alignment) check_direct_alignment(*job, mem_align);
+  // check_request holds by construction (BlockSpace: names under PATH_MAX without NUL, payload
+  // in (0, 1 GiB], a non-NULL arena; victims' names alike); block requests have offset 0, so
+  // every slot is aligned when the arena's address and slot pitch are.
+  const bool aligned = space.arena_addr % mem_align == 0 && space.slot_bytes % mem_align == 0 &&
+                       space.payload_bytes % job->align == 0;
+  if (o.direct && traits.check_direct_alignment && !aligned) check_direct_alignment(*job, mem_align);
   return job;
 }
 
 inline constexpr const char* kSubmitBlocksDoc =
-    "submit_blocks(job_id, op, space, digests, slots=None, victims=None, *, direct=True,\n"
-    "align=4096, mem_align=0, fsync=False, file_mode=0o600, verify=\"payload\"): queues a job of\n"
+    "submit_blocks(job_id, op, space, digests, slots=None, victims=None, options=None, *,\n"
+    "direct=True, align=4096, mem_align=0, fsync=False, file_mode=0o600, verify=\"payload\"):\n"
+    "options: a SubmitOptions (checked once) in place of the keywords (ValueError for both). Queues a job of\n"
     "blocks of space (a pykvtier._native.BlockSpace) as submit does, its requests built in C++:\n"
     "op READ_BLOCK (block_path(d) -> slot), WRITE_BLOCK (slot -> tmp_path(d), renamed to\n"
     "block_path(d)) or UNLINK (block_path(d)). digests: a buffer of n * 16 bytes (n key digests,\n"
@@ -386,7 +402,7 @@ Cls& def_engine(Cls& cls, const EngineTraits& traits, bool (*fix_mode)(uint32_t)
          [traits, fix_mode, check](E& e, uint64_t job_id, py::handle op, const py::sequence& entries,
                                    bool direct, uint32_t align, uint32_t mem_align, bool fsync,
                                    uint32_t file_mode, const std::string& verify) {
-           SubmitOptions o{direct, align, mem_align, fsync, file_mode, verify};
+           const SubmitOptions o = make_options(direct, align, mem_align, fsync, file_mode, verify);
            auto job = make_job(job_id, op, entries, o, traits, fix_mode);
            check(*job);
            e.submit(std::move(job));
@@ -397,18 +413,34 @@ Cls& def_engine(Cls& cls, const EngineTraits& traits, bool (*fix_mode)(uint32_t)
       .def(
           "submit_blocks",
           [traits, fix_mode, check](E& e, uint64_t job_id, py::handle op, const BlockSpace& space,
-                                    py::handle digests, py::handle slots, py::handle victims, bool direct,
-                                    uint32_t align, uint32_t mem_align, bool fsync, uint32_t file_mode,
-                                    const std::string& verify) {
-            SubmitOptions o{direct, align, mem_align, fsync, file_mode, verify};
-            auto job = make_block_job(job_id, op, space, digests, slots, victims, o, traits, fix_mode);
+                                    py::handle digests, py::handle slots, py::handle victims, py::handle options,
+                                    std::optional<bool> direct, std::optional<uint32_t> align,
+                                    std::optional<uint32_t> mem_align, std::optional<bool> fsync,
+                                    std::optional<uint32_t> file_mode, std::optional<std::string> verify) {
+            const bool keywords = direct || align || mem_align || fsync || file_mode || verify;
+            std::optional<SubmitOptions> made;
+            const SubmitOptions* o;
+            if (!options.is_none()) {
+              if (keywords)
+                throw py::value_error("submit_blocks takes options (a SubmitOptions) or the option keywords, not both");
+              if (!py::isinstance<SubmitOptions>(options))
+                throw py::type_error("options must be a pykvtier._native.SubmitOptions or None, not " +
+                                     type_name(options));
+              o = &options.cast<const SubmitOptions&>();
+            } else {
+              made = make_options(direct.value_or(true), align.value_or(4096), mem_align.value_or(0),
+                                  fsync.value_or(false), file_mode.value_or(0600), verify.value_or("payload"));
+              o = &*made;
+            }
+            auto job = make_block_job(job_id, op, space, digests, slots, victims, *o, traits, fix_mode);
             check(*job);
             e.submit(std::move(job));
           },
           py::arg("job_id"), py::arg("op"), py::arg("space"), py::arg("digests"), py::arg("slots") = py::none(),
-          py::arg("victims") = py::none(), py::kw_only(), py::arg("direct") = true, py::arg("align") = 4096,
-          py::arg("mem_align") = 0, py::arg("fsync") = false, py::arg("file_mode") = 0600,
-          py::arg("verify") = "payload", kSubmitBlocksDoc)
+          py::arg("victims") = py::none(), py::arg("options") = py::none(), py::kw_only(),
+          py::arg("direct") = py::none(), py::arg("align") = py::none(), py::arg("mem_align") = py::none(),
+          py::arg("fsync") = py::none(), py::arg("file_mode") = py::none(), py::arg("verify") = py::none(),
+          kSubmitBlocksDoc)
       .def("poll", [](E& e) { return e.poll(); },
            "Finished jobs since the last call, each exactly once: list of FinishedJob. Never blocks.")
       .def(

@@ -902,6 +902,7 @@ UringEngine::UringEngine(EngineConfig cfg) : cfg_(cfg) {
     wake_fds_.push_back(fd);
   }
   worker_buffer_gen_.assign(cfg_.workers, 0);
+  wake_pending_.assign(cfg_.workers, 0);
   for (unsigned i = 0; i < cfg_.workers; ++i) workers_.emplace_back([this, i] { worker_main(i); });
 }
 
@@ -953,12 +954,21 @@ std::vector<BufferRegion> UringEngine::buffers(uint64_t* generation) const {
 
 void UringEngine::submit(std::unique_ptr<Job> job) {
   job->submit_time = monotonic_seconds();
+  bool wake[16];  // workers <= 16 (the constructor's limit)
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!admit_locked(*job)) return;
     (op_is_write(job->op) ? stores_ : loads_).push_back(std::move(job));
+    for (size_t i = 0; i < wake_pending_.size(); ++i) {
+      wake[i] = !wake_pending_[i];
+      wake_pending_[i] = 1;
+    }
   }
-  wake_workers();
+  for (size_t i = 0; i < wake_fds_.size(); ++i) {
+    if (!wake[i]) continue;
+    uint64_t one = 1;
+    (void)!::write(wake_fds_[i], &one, sizeof(one));
+  }
 }
 
 // The worker's ring reports the buffers generation it registered (await_buffers waits for it).
@@ -971,11 +981,13 @@ void UringEngine::report_buffers(unsigned idx, uint64_t generation) {
 // New jobs onto ring, loads before stores, each only when the ring has room for it whole (or,
 // for a job that can never fit whole, for its first request); each job's SQEs go to the kernel
 // in their own io_uring_submit.
-void UringEngine::take_jobs(Ring& ring, std::vector<std::unique_ptr<Job>>& active) {
-  for (;;) {
+// Clears worker idx's pending wake-up first: a job queued after that writes a new one.
+void UringEngine::take_jobs(Ring& ring, std::vector<std::unique_ptr<Job>>& active, unsigned idx) {
+  for (bool first = true;; first = false) {
     std::unique_ptr<Job> job;
     {
       std::lock_guard<std::mutex> lk(mu_);
+      if (first) wake_pending_[idx] = 0;
       std::deque<std::unique_ptr<Job>>* q = !loads_.empty() ? &loads_ : &stores_;
       if (q->empty() || !ring.can_take_whole(*q->front())) return;
       job = std::move(q->front());
@@ -1009,7 +1021,7 @@ void UringEngine::worker_main(unsigned idx) {
     for (auto& j : active) {
       if (j->next < j->reqs.size() && ring->issue(*j) > 0) ring->submit(0);
     }
-    take_jobs(*ring, active);
+    take_jobs(*ring, active, idx);
     bool stop;
     {
       std::lock_guard<std::mutex> lk(mu_);

@@ -210,7 +210,7 @@ class UringEngine final : public detail::JobQueue {
 
  private:
   void worker_main(unsigned idx);
-  void take_jobs(Ring& ring, std::vector<std::unique_ptr<Job>>& active);
+  void take_jobs(Ring& ring, std::vector<std::unique_ptr<Job>>& active, unsigned idx);
   void report_buffers(unsigned idx, uint64_t generation);
   void wake_workers();
 
@@ -221,6 +221,9 @@ class UringEngine final : public detail::JobQueue {
 
   std::deque<std::unique_ptr<Job>> loads_, stores_;  // loads have priority (under mu_)
   std::vector<int> wake_fds_;
+  // Per worker (under mu_): a wake-up was written to its eventfd and the worker has not looked at
+  // the queues since; submit writes only to workers without one (one write wakes for many jobs).
+  std::vector<uint8_t> wake_pending_;
   std::vector<uint64_t> worker_buffer_gen_;  // buffers generation each worker's ring has
   std::vector<std::thread> workers_;
 };

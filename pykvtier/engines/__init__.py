@@ -62,7 +62,9 @@ class Engine(Protocol):
     blocks until every submitted job finished (results stay for ``poll``). ``stats`` has exactly
     the keys ``pykvtier._native.STATS_KEYS``. Thread-safe.
 
-    ``submit_blocks(job_id, op, space, digests, slots=None, victims=None, **submit_kw)`` queues
+    ``submit_blocks(job_id, op, space, digests, slots=None, victims=None, options=None,
+    **submit_kw)`` (``options``: a ``pykvtier._native.SubmitOptions``, checked once, in place of
+    the keywords; ValueError for both) queues
     the job of ``space``'s blocks (``space``: a ``pykvtier._native.BlockSpace`` of the arena the
     engine moves, host or device) that ``submit(job_id, op, space.entries(op, digests, slots,
     victims), **submit_kw)`` would: ``op`` READ_BLOCK, WRITE_BLOCK or UNLINK; ``digests`` a
@@ -79,9 +81,8 @@ class Engine(Protocol):
                align: int = 4096, mem_align: int = 0, fsync: bool = False, file_mode: int = 0o600,
                verify: str = "payload") -> None: ...
     def submit_blocks(self, job_id: int, op: Any, space: Any, digests: Any, slots: Any = None,
-                      victims: dict[int, bytes] | None = None, *, direct: bool = True,
-                      align: int = 4096, mem_align: int = 0, fsync: bool = False,
-                      file_mode: int = 0o600, verify: str = "payload") -> None: ...
+                      victims: dict[int, bytes] | None = None, options: Any = None,
+                      **submit_kw: Any) -> None: ...
     def poll(self) -> list: ...
     def wait(self, timeout_s: float | None = None) -> bool: ...
     def drain(self) -> None: ...

@@ -283,17 +283,21 @@ class BounceEngine:
             self._mu.notify_all()
 
     def submit_blocks(self, job_id: int, op: Any, space: Any, digests: Any, slots: Any = None,
-                      victims: dict[int, bytes] | None = None, *, direct: bool = True,
-                      align: int = 4096, mem_align: int = 0, fsync: bool = False,
-                      file_mode: int = 0o600, verify: str = "payload") -> None:
-        """As a host engine's submit_blocks (``space``: the device arena's BlockSpace), through
-        :meth:`submit` of ``space.entries(...)``; ValueError for victims (this engine does not
-        recycle block files), as submit_blocks' and :meth:`submit`'s."""
+                      victims: dict[int, bytes] | None = None, options: Any = None,
+                      **submit_kw: Any) -> None:
+        """As a host engine's submit_blocks (``space``: the device arena's BlockSpace;
+        ``options``: a ``_native.SubmitOptions`` or the keywords), through :meth:`submit` of
+        ``space.entries(...)``; ValueError for victims (this engine does not recycle block
+        files), as submit_blocks' and :meth:`submit`'s."""
+        if options is not None:
+            if submit_kw:
+                raise ValueError("submit_blocks takes options (a SubmitOptions) or the option "
+                                 "keywords, not both")
+            submit_kw = options.as_kwargs()
         entries = space.entries(op, digests, slots, victims)
         for i in victims or ():
             raise ValueError(f"entry {i} ({entries[i][0]}): this engine does not recycle block files")
-        self.submit(job_id, op, entries, direct=direct, align=align, mem_align=mem_align,
-                    fsync=fsync, file_mode=file_mode, verify=verify)
+        self.submit(job_id, op, entries, **submit_kw)
 
     def poll(self) -> list:
         with self._mu:
