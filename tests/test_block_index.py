@@ -1,6 +1,7 @@
 """pykvtier._native.BlockIndex: the tier's per-key state machine, exact codes and counts."""
 
 import hashlib
+import struct
 
 import pytest
 
@@ -134,3 +135,58 @@ def test_bad_digests():
     with pytest.raises(ValueError, match="2 digests but 1 results"):
         ix.finish_stores(d(1) + d(2), [1])
     assert ix.admit_loads(b"") is None and len(ix) == 0
+
+
+def test_lookup_key_hashes_a_strided_key_as_its_bytes():
+    import numpy as np
+
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 7)
+    raw = bytearray(b"key-7" * 2)
+    raw[::2], raw[1::2] = b"key-7", b"xxxxx"
+    mv = memoryview(bytes(raw))[::2]  # bytes b"key-7", memory b"kxeyx..."
+    assert bytes(mv) == b"key-7" and ix.lookup_key(mv) == HIT
+    assert ix.lookup_key(np.frombuffer(b"7-yek", np.uint8)[::-1]) == HIT
+    assert ix.lookup_key(np.frombuffer(bytes(raw), np.uint8).reshape(5, 2)[:, 0]) == HIT
+    assert ix.lookup_key(memoryview(b"kkey-7")[1:]) == HIT  # contiguous slice, hashed in place
+    assert ix.lookup_key(memoryview(b"kxexyx")[::2]) == MISS  # b"key", not b"kxe"
+    assert ix.counts()["hits"] == 4 and ix.counts()["misses"] == 1
+
+
+def test_digest_batches_must_be_contiguous():
+    import numpy as np
+
+    ix = _native.BlockIndex(unknown_is_miss=True)
+    stored(ix, 1, 2)
+    both = np.frombuffer(d(1) + d(2), np.uint8)
+    assert ix.admit_loads(both) is None and ix.readers(d(1)) == 1  # contiguous numpy: fine
+    assert ix.finish_loads(both.view(np.uint64)) == 0 and ix.readers(d(2)) == 0  # any item size
+    spread = np.frombuffer(b"".join(bytes([x, 0]) for x in d(1)), np.uint8)[::2]
+    assert spread.tobytes() == d(1)
+    msg = "digests must be a C-contiguous buffer of 16-byte digests; this {} is not contiguous"
+    calls = {"touch": lambda x: ix.touch(x), "admit_loads": lambda x: ix.admit_loads(x),
+             "finish_loads": lambda x: ix.finish_loads(x),
+             "admit_stores": lambda x: ix.admit_stores(x, 1),
+             "finish_stores": lambda x: ix.finish_stores(x, [1])}
+    for name, call in calls.items():
+        for bad, tname in ((spread, "ndarray"), (memoryview(bytes(spread.base))[::2], "memoryview"),
+                           (both[::-1][:16], "ndarray")):
+            with pytest.raises(TypeError) as e:
+                call(bad)
+            assert (name, str(e.value)) == (name, msg.format(tname))
+    assert ix.lru_order() == [d(1), d(2)] and ix.readers(d(1)) == 0 and len(ix) == 2  # as loaded
+
+
+@pytest.mark.parametrize("job_id, shown", [(2**63, "9223372036854775808"), (-1, "-1"),
+                                            (-(2**64), str(-(2**64)))])
+def test_check_job_job_id_range(job_id, shown):
+    keys = [b"a"]
+    with pytest.raises(ValueError) as e:
+        _native.check_job(job_id, keys, [0], 4, True)
+    assert str(e.value) == f"job_id {shown} must be in [0, 2**63)"
+    with pytest.raises(TypeError) as e:
+        _native.check_job(1.0, keys, [0], 4, True)
+    assert str(e.value) == "job_id must be an integer, not float"
+    digests, slots = _native.check_job(2**63 - 1, keys, [3], 4, True)
+    assert digests == hashlib.blake2b(b"a", digest_size=16).digest()
+    assert slots == struct.pack("=q", 3)

@@ -756,6 +756,35 @@ def test_partial_load_reports_exactly_the_good_keys(root, make_tier):
     assert tier.stats()["load_failures"] == 2
 
 
+@pytest.mark.parametrize("nroots", [1, 2])
+def test_load_giving_one_chunk_to_two_keys_fails_whole_and_loses_nothing(root, make_tier, caplog, nroots):
+    """Two keys of one load job into one row (with two roots: keys of different shards) would
+    race into it; the job fails before anything is read, logged, and every block stays intact."""
+    roots = [os.path.join(root, f"r{i}") for i in range(nroots)]
+    tier, arr = make_tier(tier_config(roots if nroots > 1 else roots[0]), num_chunks=16)
+    shard = lambda k: int.from_bytes(key_digest(k)[:8], "little") % nroots  # noqa: E731
+    candidates = [key(i) for i in range(40)]
+    a = next(k for k in candidates if shard(k) == 0)
+    b = next(k for k in candidates if shard(k) == nroots - 1 and k != a)
+    fill(arr, [a, b], [0, 1])
+    assert run(tier, job(1, [a, b], [0, 1], promotion=False))[1].success
+    arr[:] = 0xAB
+    caplog.clear()
+    res = run(tier, job(2, [a, b], [15, 15], promotion=True))[2]
+    assert (res.success, res.successful_keys, res.transfer_bytes) == (False, None, 0)
+    assert (arr == 0xAB).all()  # nothing read
+    where = f" to {tier.tiers[0].layout.root}: job 2: slot 15" if nroots == 1 else ": chunk 15"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"pykvtier: load job 2 (2 keys) not submitted{where} given twice; a load needs a "
+        + ("slot" if nroots == 1 else "chunk") + " per key"]
+    st = tier.stats()
+    assert (st["loads_submitted"], st["load_failures"], st["verify_failures"], st["quarantined"]) == \
+        (0, 0, 0, 0)
+    assert [tier.lookup(k, ReqContext("r")) for k in (a, b)] == [HIT, HIT]
+    assert run(tier, job(3, [b, a], [14, 15], promotion=True))[3].success
+    assert (arr[14].tobytes(), arr[15].tobytes()) == (payload(b), payload(a))
+
+
 def test_corrupt_header_and_wrong_key_are_never_returned(root, make_tier):
     tier, arr = make_tier(root, num_chunks=8)
     keys = [key(i) for i in range(3)]

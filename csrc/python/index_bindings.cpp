@@ -1,6 +1,6 @@
 // pykvtier._native.BlockIndex: include/pykvtier/block_index.hpp for DiskTier. Digests cross as
-// bytes (16) or, for a batch, one buffer of n*16 bytes; codes come back as ints (Answer, Admit,
-// BlockState) or one bytes object of n codes.
+// bytes (16) or, for a batch, one C-contiguous buffer of n*16 bytes; codes come back as ints
+// (Answer, Admit, BlockState) or one bytes object of n codes.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -39,20 +39,40 @@ const uint8_t* one_digest(py::handle h) {
   return reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(h.ptr()));
 }
 
-// A batch of digests: a contiguous buffer of n * kDigestBytes bytes (n may be 0).
+// A buffer held for the length of one call (released on every path).
+struct HeldBuffer {
+  Py_buffer view{};
+  HeldBuffer(PyObject* o, int flags) {
+    if (PyObject_GetBuffer(o, &view, flags) != 0) throw py::error_already_set();
+  }
+  ~HeldBuffer() { PyBuffer_Release(&view); }
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+};
+
+// h, where it supports the buffer protocol (and is not str); TypeError naming digests else.
+PyObject* digests_buffer(py::handle h) {
+  if (PyUnicode_Check(h.ptr()) || !PyObject_CheckBuffer(h.ptr()))
+    throw py::type_error("digests must be a buffer of 16-byte digests (bytes), not " + type_name(h));
+  return h.ptr();
+}
+
+// A batch of digests: a C-contiguous buffer of n * kDigestBytes bytes (n may be 0). TypeError for
+// another type or a buffer that is not C-contiguous, ValueError for a length not a multiple of 16.
 struct Digests {
-  py::buffer_info info;
+  HeldBuffer buf;
   const uint8_t* data = nullptr;
   size_t n = 0;
-  explicit Digests(py::handle h) {
-    if (!PyObject_CheckBuffer(h.ptr()))
-      throw py::type_error("digests must be a buffer of 16-byte digests (bytes), not " + type_name(h));
-    info = py::reinterpret_borrow<py::buffer>(h).request();
-    const size_t bytes = size_t(info.size) * size_t(info.itemsize);
+  explicit Digests(py::handle h) : buf(digests_buffer(h), PyBUF_FULL_RO) {
+    const Py_buffer& v = buf.view;
+    if (!PyBuffer_IsContiguous(&v, 'C'))
+      throw py::type_error("digests must be a C-contiguous buffer of 16-byte digests; this " + type_name(h) +
+                           " is not contiguous");
+    const size_t bytes = size_t(v.len);
     if (bytes % kDigestBytes)
       throw py::value_error("digests: " + std::to_string(bytes) + " bytes is not a multiple of " +
                             std::to_string(kDigestBytes));
-    data = static_cast<const uint8_t*>(info.ptr);
+    data = static_cast<const uint8_t*>(v.buf);
     n = bytes / kDigestBytes;
   }
 };
@@ -62,25 +82,59 @@ py::object codes_or_none(const std::string& codes, size_t ok) {
   return py::bytes(codes);
 }
 
+// The digest of a key: bytes as they are; any other buffer but str (bytearray, memoryview, numpy
+// array...) over its logical bytes in C order, i.e. the digest of bytes(key), which check_job makes of
+// such a key (a C-contiguous buffer is hashed in place, another one copied first).
+void digest_key(py::handle key, uint8_t out[kDigestBytes]) {
+  PyObject* k = key.ptr();
+  if (PyBytes_CheckExact(k)) {
+    detail::key_digest(PyBytes_AS_STRING(k), size_t(PyBytes_GET_SIZE(k)), out);
+    return;
+  }
+  if (PyUnicode_Check(k) || !PyObject_CheckBuffer(k))
+    throw py::type_error("key must be bytes, not " + type_name(key));
+  {
+    HeldBuffer b(k, PyBUF_FULL_RO);
+    if (PyBuffer_IsContiguous(&b.view, 'C')) {
+      detail::key_digest(b.view.buf, size_t(b.view.len), out);
+      return;
+    }
+  }
+  PyObject* copy = PyBytes_FromObject(k);
+  if (copy == nullptr) throw py::error_already_set();
+  py::object hold = py::reinterpret_steal<py::object>(copy);
+  detail::key_digest(PyBytes_AS_STRING(copy), size_t(PyBytes_GET_SIZE(copy)), out);
+}
+
 int lookup_key(PyBlockIndex& self, py::handle key) {
   if (self.closed) throw std::runtime_error("DiskTier is shut down");
   uint8_t d[kDigestBytes];
-  PyObject* k = key.ptr();
-  if (PyBytes_CheckExact(k)) {
-    detail::key_digest(PyBytes_AS_STRING(k), size_t(PyBytes_GET_SIZE(k)), d);
-  } else if (PyObject_CheckBuffer(k) && !PyUnicode_Check(k)) {
-    py::buffer_info b = py::reinterpret_borrow<py::buffer>(key).request();
-    detail::key_digest(b.ptr, size_t(b.size) * size_t(b.itemsize), d);
-  } else {
-    throw py::type_error("key must be bytes, not " + type_name(key));
-  }
+  digest_key(key, d);
   return int(self.index.lookup(d));
 }
 
+// A job id as an int64: ValueError naming it outside [0, 2**63), TypeError for a non-integer.
+int64_t job_id_of(py::handle h) {
+  PyObject* o = h.ptr();
+  if (PyBool_Check(o)) throw py::type_error("job_id must be an integer, not bool");
+  PyObject* idx = PyNumber_Index(o);
+  if (idx == nullptr) {
+    PyErr_Clear();
+    throw py::type_error("job_id must be an integer, not " + type_name(h));
+  }
+  py::object hold = py::reinterpret_steal<py::object>(idx);
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow != 0 || v < 0)
+    throw py::value_error("job_id " + py::str(idx).cast<std::string>() + " must be in [0, 2**63)");
+  return v;
+}
 
 // The per-key checks of a DiskTier job (see check_job's docstring). Raises with the job's id.
-py::tuple check_job(int64_t job_id, py::list keys, py::handle slots, uint64_t num_slots, bool unique_slots,
-                    py::handle digests) {
+py::tuple check_job(py::handle job_id_obj, py::list keys, py::handle slots, uint64_t num_slots,
+                    bool unique_slots, py::handle digests) {
+  const int64_t job_id = job_id_of(job_id_obj);
   const std::string job = "job " + std::to_string(job_id) + ": ";
   PyObject* seq = PySequence_Fast(slots.ptr(), "slot_ids must be a sequence of ints");
   if (seq == nullptr) throw py::error_already_set();
@@ -130,7 +184,7 @@ py::tuple check_job(int64_t job_id, py::list keys, py::handle slots, uint64_t nu
   std::string digest_buf(n * kDigestBytes, '\0');
   auto* dst = reinterpret_cast<uint8_t*>(digest_buf.data());
   const bool given = !digests.is_none();
-  for (size_t i = 0; i < n; ++i) {  // keys as bytes (a bytearray or memoryview copied)
+  for (size_t i = 0; i < n; ++i) {  // keys as bytes (another buffer copied: bytes(key))
     PyObject* k = PyList_GET_ITEM(keys.ptr(), Py_ssize_t(i));
     if (!PyBytes_CheckExact(k)) {
       if (PyUnicode_Check(k) || !PyObject_CheckBuffer(k))
@@ -166,8 +220,10 @@ py::tuple check_job(int64_t job_id, py::list keys, py::handle slots, uint64_t nu
 void register_block_index(py::module_& m) {
   m.def("check_job", &check_job, py::arg("job_id"), py::arg("keys"), py::arg("slots"), py::arg("num_slots"),
         py::arg("unique_slots"), py::arg("digests") = py::none(), R"doc(
-The per-key checks of a DiskTier job, in one call: ``keys`` (a list, changed in place: a bytearray or
-memoryview key becomes bytes; TypeError "key must be bytes, not <type>" otherwise), ``slots`` (a
+The per-key checks of a DiskTier job, in one call: ``job_id`` (an integer in [0, 2**63); ValueError
+"job_id <id> must be in [0, 2**63)" else), ``keys`` (a list, changed in place: a key that is another
+buffer than bytes (bytearray, memoryview, numpy array, strided or not) becomes bytes(key); TypeError
+"key must be bytes, not <type>" for str or a non-buffer), ``slots`` (a
 sequence of integers, one per key, each in [0, num_slots); with unique_slots no slot twice) and the
 keys' digests (``digests``: one 16-byte key_digest per key where the caller has them, else computed
 here). Returns (digests: bytes of 16 per key, slots: bytes of one native int64 per key). TypeError /
@@ -177,7 +233,8 @@ The block index of one tier root (include/pykvtier/block_index.hpp): each key di
 (BlockState: 0 absent, 1 present, 2 writing, 3 removing, 4 failed: a tombstone, MISS until stored
 again), loads reading it, a failed mark, and least-recently-used order of present blocks. Lookups
 answer 0 HIT, 1 MISS, 2 RETRY, 3 HIT_PENDING (pykvtier.tier.LookupResult's members) or 4 (unknown:
-not indexed, where unknown_is_miss is False). Batches take digests as one buffer of n*16 bytes; admit_*
+not indexed, where unknown_is_miss is False). Batches take digests as one C-contiguous buffer of n*16
+bytes (TypeError "digests must be a C-contiguous buffer ..." for one that is not); admit_*
 give one code per key (bytes), or None when every key was admitted (Admit: 0 ok, 1 failed, 2 absent,
 3 writing, 4 removing, 5 present, 6 needs room). Not thread-safe: the tier's calling thread only.
 TypeError/ValueError for a digest that is not 16 bytes.)doc")
@@ -187,7 +244,8 @@ TypeError/ValueError for a digest that is not 16 bytes.)doc")
              return int(self.index.lookup(one_digest(digest)));
            }, py::arg("digest"), "Answer for a key digest (counted; 4 = unknown is not).")
       .def("lookup_key", &lookup_key, py::arg("key"),
-           "lookup() of key's digest (BLAKE2b-16 of the key: bytes or a buffer; TypeError otherwise).")
+           "lookup() of key's digest: BLAKE2b-16 of the key's bytes (bytes, or another buffer but str\n"
+           "hashed as bytes(key), strided or not, as check_job makes it); TypeError otherwise.")
       .def("count", [](PyBlockIndex& self, int answer) {
              if (answer < 0 || answer > 3) throw py::value_error("answer must be 0..3");
              self.index.count(Answer(answer));

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -553,8 +554,14 @@ class PyKVTier(SecondaryTierManager):
         if not keys:
             self._ready.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
             return
-        if self._single is not None:
+        if self._single is not None:  # (its DiskTier refuses a load giving a slot twice)
             parts = {0: (keys, rows, None)}
+        elif is_load and len(set(rows)) != len(rows):  # a row per key across the shards too
+            twice = next(r for r, n in Counter(rows).items() if n > 1)
+            logger.error("pykvtier: load job %d (%d keys) not submitted: chunk %d given twice; a "
+                         "load needs a chunk per key", job.job_id, len(keys), twice)
+            self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
+            return
         else:  # each key's digest once: its shard, then the tier's index and file name
             parts = {}
             for k, r in zip(keys, rows):
