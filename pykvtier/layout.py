@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -191,15 +192,29 @@ def _entry_bytes(dir_fd: int, name: str, st: os.stat_result) -> int:
     return total
 
 
-def _remove_entry(dir_fd: int, name: str) -> None:
+def _remove_entry(dir_fd: int, name: str, background: bool = False) -> None:
     """Removes a quarantine entry: a file or link is unlinked, a real directory removed with
-    its contents (shutil.rmtree, descriptor-based: it follows no link)."""
+    its contents (shutil.rmtree, descriptor-based: it follows no link); with ``background`` by
+    a thread of its own, so that the caller (the scheduler's thread) does not wait on a large
+    tree."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
+    if stat.S_ISDIR(st.st_mode) and not background:
         shutil.rmtree(name, dir_fd=dir_fd)
+    elif stat.S_ISDIR(st.st_mode):
+        fd = os.dup(dir_fd)
+
+        def remove() -> None:
+            try:
+                shutil.rmtree(name, dir_fd=fd)
+            except OSError as exc:
+                logger.warning("pykvtier: cannot remove old quarantine entry %s: %s", name, exc)
+            finally:
+                os.close(fd)
+
+        threading.Thread(target=remove, name="pykvtier-quarantine-trim", daemon=True).start()
     else:
         try:
             os.unlink(name, dir_fd=dir_fd)
@@ -578,7 +593,9 @@ class Quarantine:
                 os.rename(name, qname, src_dir_fd=dir_fd, dst_dir_fd=qfd)
             except FileNotFoundError:
                 return None
-            self.added(qname, _entry_bytes(qfd, qname, st), stamp)
+            # A directory's contents are not walked here (the caller may be the scheduler's
+            # thread): they are counted at the next start.
+            self.added(qname, st.st_size if stat.S_ISREG(st.st_mode) else 0, stamp)
             self._trim(qfd)
         finally:
             os.close(qfd)
@@ -598,7 +615,7 @@ class Quarantine:
         old, self._entries = self._entries[:n], self._entries[n:]
         for _, name, nbytes in old:
             try:
-                _remove_entry(qfd, name)
+                _remove_entry(qfd, name, background=True)
             except OSError as exc:
                 logger.warning("pykvtier: cannot remove old quarantine entry %s: %s",
                                os.path.join(self.layout.quarantine_dir, name), exc.strerror)

@@ -125,6 +125,7 @@ class _Pending:
     transfer_s: float = 0.0  # summed over its engine jobs
     submits: int = 0
     moved_bytes: int = 0
+    claimed: bytes = b""  # a load's slots (all the job's), claimed until it settles
 
 
 _CORRUPT = frozenset(int(v) for v in _native.BlockError.__members__.values())  # failed checks
@@ -144,7 +145,7 @@ _TIER_STATS = (
     "load_failures", "store_failures", "verify_failures", "quarantined", "evictions",
     "eviction_failures", "capacity_rejections", "probes", "probe_hits", "probe_results_applied",
     "stale_temporaries_removed", "direct_fallbacks", "malformed_block_files", "evictions_recycled",
-    "store_retries", "leftovers_removed")
+    "store_retries", "leftovers_removed", "loads_refused")
 
 
 def _describe(res: int) -> str:
@@ -374,6 +375,7 @@ class DiskTier:
         self._bindex = _native.BlockIndex(unknown_is_miss=not cfg.shared)
         self._used_bytes = 0  # file bytes of present + writing + removing blocks
         self._space: Any = None  # _native.BlockSpace of the arena (set_arena)
+        self._claims: Any = None  # _native.SlotClaims: slots loads in flight write (set_arena)
         self._removed: list[bytes] | None = [] if cfg.track_removals else None
         # digest -> its index in the next probe batch (first asked first), until the step's end
         self._probe_wanted: dict[bytes, int] = {}
@@ -468,7 +470,8 @@ class DiskTier:
                 found.append((st.st_mtime, digest))
                 continue
             owner = Layout.tmp_owner(de.name)
-            if owner is None or not self._stale_tmp(owner, dfd, de.name, now, self._own_pid_live):
+            if owner is None or not self._stale_tmp(owner, dfd, de.name, now, self._own_pid_live,
+                                                    self.shared):
                 continue
             path = os.path.join(self.layout.blocks_dir, sub, de.name)
             try:
@@ -482,15 +485,19 @@ class DiskTier:
                 self._quarantine_entry(dfd, sub, de.name)
 
     @staticmethod
-    def _stale_tmp(owner: int, dfd: int, name: str, now: float, own_pid_live: bool) -> bool:
-        if owner <= 0 or (owner == os.getpid() and not own_pid_live):
-            return True
-        try:
-            os.kill(owner, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
+    def _stale_tmp(owner: int, dfd: int, name: str, now: float, own_pid_live: bool,
+                   shared: bool) -> bool:
+        """Whether a temporary (named with its writer's pid ``owner``) is a dead writer's. On a
+        shared root by age only: its writer may be in another pid namespace or on another node."""
+        if not shared:
+            if owner <= 0 or (owner == os.getpid() and not own_pid_live):
+                return True
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                pass
         try:  # a live writer never takes an hour
             return now - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime > 3600
         except FileNotFoundError:
@@ -544,6 +551,7 @@ class DiskTier:
             self._arena.release()  # the rings have let go of it (await_buffers)
         self._arena = arena
         self._space = self._block_space(arena)
+        self._claims = _native.SlotClaims(arena.num_slots)
         return arena
 
     def _block_space(self, arena: Arena) -> Any:
@@ -579,6 +587,7 @@ class DiskTier:
         self.device_path = choice
         self._arena = arena
         self._space = self._block_space(arena)
+        self._claims = _native.SlotClaims(arena.num_slots)
 
     # ------------------------------------------------------------------ phase 1
 
@@ -639,10 +648,13 @@ class DiskTier:
         """Once per scheduler step: applies the existence probes that completed, then submits
         those gathered since the last step (one call into C: one batch of statx SQEs, one
         io_uring_submit while the batch fits the ring). Never waits. Also retries the removal
-        of leftover files, as :meth:`get_finished_jobs` does."""
-        if self._leftovers and not self._closed:
+        of leftover files, as :meth:`get_finished_jobs` does. A no-op once shut down (as
+        collecting results stays possible; calls that start work raise RuntimeError then)."""
+        if self._closed:
+            return
+        if self._leftovers:
             self._retry_leftovers()
-        if self._probe is None or self._closed:
+        if self._probe is None:
             return
         if self._probing:
             self._apply_probes()
@@ -686,7 +698,10 @@ class DiskTier:
 
     def touch(self, keys: Iterable[bytes], digests: Iterable[bytes] | None = None) -> None:
         """Marks blocks as recently used (eviction order). ``digests``: the keys'
-        :func:`~pykvtier.layout.key_digest`, where the caller has them (``keys`` is then unused)."""
+        :func:`~pykvtier.layout.key_digest`, where the caller has them (``keys`` is then unused).
+        RuntimeError once shut down."""
+        if self._closed:
+            raise RuntimeError("DiskTier is shut down")
         if digests is None:
             self._bindex.touch(_native.key_digests([_as_key(k) for k in keys]))
         else:
@@ -705,7 +720,8 @@ class DiskTier:
             raise RuntimeError("no arena: call set_arena() first")
         job_id = as_int(job.job_id, "job_id")
         if job_id in self._job_ids:
-            raise ValueError(f"job_id {job_id} is already in flight")
+            raise ValueError(f"job_id {job_id} is already in flight (or its result not yet "
+                             "reported by get_finished_jobs())")
         if isinstance(job.keys, (bytes, bytearray, memoryview, str)):
             raise TypeError(f"job {job_id}: keys must be a sequence of keys (bytes), not one "
                             f"{type(job.keys).__name__}: wrap a single key in a list")
@@ -731,13 +747,17 @@ class DiskTier:
         keys into one slot (their reads would race, and each block's checksum is verified over
         the bytes in its slot)."""
         keys, slots, digests = self._check_job(job, digests, unique_slots=True)
+        self._claims.claim(job.job_id, slots)  # ValueError: a slot another load is filling
         codes = self._bindex.admit_loads(digests)  # None: every key admitted
-        pend = _Pending(job, True, keys, keys, digests, slots, {})
+        pend = _Pending(job, True, keys, keys, digests, slots, {}, claimed=slots)
         if codes is not None:
             keep = [i for i, c in enumerate(codes) if c == _ADMIT_OK]
             for i, c in enumerate(codes):
                 if c != _ADMIT_OK:
                     pend.done[keys[i]] = _LOAD_REFUSED[c]
+                    self._stats["loads_refused"] += 1
+                    self._warn("loads refused without I/O", _LOAD_REFUSED[c],
+                               self.layout.block_path(digests[16 * i:16 * i + 16]))
             pend.keys = [keys[i] for i in keep]
             pend.digests = b"".join(digests[16 * i:16 * i + 16] for i in keep)
             pend.slots = b"".join(slots[8 * i:8 * i + 8] for i in keep)
@@ -831,20 +851,36 @@ class DiskTier:
     def _dispatch(self, pend: _Pending, op: Any) -> None:
         job_id = pend.job.job_id
         if not pend.digests:
+            if pend.claimed:
+                self._claims.release(pend.claimed)
             self._ready.append(self._result(pend))
+            self._job_ids.add(job_id)
             return
         try:
             eid = self._submit(op, pend)
         except Exception:
-            for v in pend.victims.values():  # their files were not touched: blocks again
-                if self._bindex.restore(v):
-                    self._used_bytes += self.file_bytes
-            pend.victims.clear()
-            pend.retried = True  # (no retry of what never ran)
-            self._settle(pend, [-errno.EIO] * len(pend.keys))  # undo the bookkeeping
+            self._unadmit(pend)
             raise
         self._pending[eid] = pend
         self._job_ids.add(job_id)
+
+    def _unadmit(self, pend: _Pending) -> None:
+        """Undoes the admission of a job the engine refused at submit (nothing of it ran: no
+        failure is counted or logged; the caller has the exception)."""
+        fb = self.file_bytes
+        for v in pend.victims.values():  # their files were not touched: blocks again
+            if self._bindex.restore(v):
+                self._used_bytes += fb
+        pend.victims.clear()
+        if pend.is_load:
+            self._used_bytes -= self._bindex.finish_loads(pend.digests) * fb
+            self._claims.release(pend.claimed)
+            return
+        for d in _split(pend.digests):
+            if self._bindex.erase_writing(d):
+                self._writing -= 1
+                self._used_bytes -= fb
+                self._fs_free += fb
 
     def _reserve(self, recycle: bool = False) -> bool | bytes:
         """Makes room for one block file: True (room), False (no room: capacity or the file
@@ -937,8 +973,14 @@ class DiskTier:
         """Jobs finished since the last call, each exactly once. Never blocks. Also retries
         the removal of leftover files (at most every second) and logs the failures counted
         since the last report (at most one line every few seconds)."""
+        if self._closed:  # settled by shutdown(): reported once more, nothing else done
+            out, self._ready = self._ready, []
+            self._job_ids.difference_update(r.job_id for r in out)
+            return out
         self._collect()
         out, self._ready = self._ready, []
+        if out:  # a job id is in flight until its result is reported
+            self._job_ids.difference_update(r.job_id for r in out)
         if self._leftovers:
             self._retry_leftovers()
         if self._warn_counts:
@@ -992,6 +1034,7 @@ class DiskTier:
         no_space: list[tuple[int, int]] = []  # (index in pend.keys, result)
         if pend.is_load:
             self._used_bytes -= self._bindex.finish_loads(pend.digests) * self.file_bytes
+            self._claims.release(pend.claimed)
             st["blocks_loaded"] += len(results) if all_ok else sum(r >= 0 for r in results)
             st["bytes_loaded"] += moved
             if not all_ok:
@@ -1096,7 +1139,6 @@ class DiskTier:
         self._pending[eid] = pend
 
     def _result(self, pend: _Pending) -> JobResult:
-        self._job_ids.discard(pend.job.job_id)
         keys = pend.job_keys
         done = pend.done
         failed = {k: done[k] for k in keys if done.get(k) is not None} if done else {}
@@ -1187,10 +1229,20 @@ class DiskTier:
         logger.warning("pykvtier: %s: %s", self.layout.root, "; ".join(parts))
 
     def _load_failed(self, digest: bytes, res: int) -> None:
-        """A load failed: the key is a MISS from now on; a corrupt file is quarantined."""
+        """A load failed: the key is a MISS from now on; a corrupt file is quarantined. On a
+        shared root a file that is gone (ENOENT) is forgotten instead, not marked failed: another
+        process or node removed it, and a lookup probes the root again (it may be stored again)."""
+        path = self.layout.block_path(digest)
+        if res == -errno.ENOENT and self.shared:
+            self._warn("loads failed", _describe(res), path)
+            if self._bindex.set_removing(digest):  # (else the last load reading it does this)
+                self._used_bytes -= self.file_bytes
+                self._bindex.forget_removed(digest)
+                if self._removed is not None:
+                    self._removed.append(digest)
+            return
         if self._bindex.mark_failed(digest) and self._removed is not None:
             self._removed.append(digest)
-        path = self.layout.block_path(digest)
         if res in _CORRUPT:
             self._stats["verify_failures"] += 1
             self._quarantine(path, digest)
@@ -1274,6 +1326,14 @@ class DiskTier:
         if self._closed:
             return
         self.drain()
+        # Settle every finished job while the engine and the root's lock are still held (a failed
+        # load's file is removed now, not after the lock is released); the results stay for
+        # get_finished_jobs().
+        while True:
+            self._collect()
+            if not (self._engine.pending_jobs() or self._polled or self._retry_after):
+                break
+            self.drain()
         if self._leftovers:  # a last try (the next start sweeps stale temporaries)
             self._leftover_retry_at = 0.0
             self._retry_leftovers()

@@ -682,6 +682,35 @@ def test_block_file_with_two_links_is_a_miss(shared_pair):
     assert reader.stats()["probe_hits"] == 0 and reader.num_blocks == 0
 
 
+def test_shared_block_removed_elsewhere_is_probed_again(shared_pair, tmp_path):
+    """A shared tier's load of a block another process or node removed fails (ENOENT) without
+    marking the key failed: the block is forgotten, a later lookup probes the root again and
+    finds it once it is stored there again, and it loads byte-exact."""
+    writer, reader = shared_pair
+    real = writer.layout.block_path(key_digest(b"real"))
+    assert _probe_once(reader, [b"real"]) == [HIT]
+    kept = tmp_path / "kept.kvb"
+    shutil.copyfile(real, kept)
+    os.unlink(real)  # removed by another node
+    a = host_arena(1, BS)
+    reader.set_arena(a)
+    reader.submit_load(TransferJob(5, [b"real"], [0]))
+    reader.drain()
+    (res,) = reader.get_finished_jobs()
+    assert res.success is False and res.failed_keys == {b"real": "ENOENT: No such file or directory"}
+    assert reader.num_blocks == 0 and reader.used_bytes == 0
+    shutil.copyfile(kept, real)  # stored there again
+    assert _probe_once(reader, [b"real"]) == [HIT]
+    reader.submit_load(TransferJob(6, [b"real"], [0]))
+    reader.drain()
+    (res,) = reader.get_finished_jobs()
+    assert res.success is True
+    with open(real, "rb") as f:
+        assert f.read()[HEADER_BYTES:] == a[0].tobytes()
+    s = reader.stats()
+    assert (s["load_failures"], s["blocks_loaded"], s["probe_hits"]) == (1, 1, 2)
+
+
 def _storm(root, n_keys: int, n_loads: int):
     """A shared tier with `n_loads` loads in flight and `n_keys` unknown keys (every third
     published by another writer after the tier's start) asked in one step."""

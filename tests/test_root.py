@@ -356,6 +356,45 @@ def test_quarantine_default_bound_is_256(root, make_tier):
     assert tier.stats()["quarantine_bytes"] == sum(range(3, 259))
 
 
+def test_quarantine_trim_removes_a_directory_off_the_callers_thread(root, monkeypatch):
+    """A directory moved into the quarantine (e.g. one found at a block name) is neither walked
+    by move_in nor removed by the trim on the caller's thread (the scheduler's, through
+    get_finished_jobs): its tree goes in a thread of its own."""
+    import threading
+
+    lay = layout.Layout(os.path.join(root, "r"))
+    box = layout.Quarantine(lay, max_files=1)
+    sub = os.path.join(lay.blocks_dir, "00")
+    d = os.path.join(sub, "big.kvb")
+    os.mkdir(d)
+    for i in range(50):
+        with open(os.path.join(d, str(i)), "wb") as f:
+            f.write(b"x" * 10)
+    removed_in: list[str] = []
+    real_rmtree = layout.shutil.rmtree
+
+    def rmtree(*a, **kw):
+        removed_in.append(threading.current_thread().name)
+        return real_rmtree(*a, **kw)
+
+    monkeypatch.setattr(layout.shutil, "rmtree", rmtree)
+    dfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        qdir = box.move_in(dfd, "big.kvb")
+        assert (box.files, box.bytes) == (1, 0)  # not walked: counted at the next start
+        with open(os.path.join(sub, "f.kvb"), "wb") as f:
+            f.write(b"y" * 7)
+        qfile = box.move_in(dfd, "f.kvb")  # trims the directory, the oldest
+    finally:
+        os.close(dfd)
+    for t in threading.enumerate():
+        if t.name == "pykvtier-quarantine-trim":
+            t.join()
+    assert removed_in == ["pykvtier-quarantine-trim"]
+    assert os.listdir(lay.quarantine_dir) == [qfile] and qdir != qfile
+    assert (box.files, box.bytes) == (1, 7)
+
+
 def test_empty_quarantine_follows_no_link(root, make_tier):
     outside = os.path.join(root, "outside")
     os.mkdir(outside)

@@ -467,6 +467,25 @@ def test_restart_quarantines_what_is_not_a_block_of_this_tier(root, make_tier, a
     assert np.array_equal(b[2:4], want)
 
 
+def test_shared_root_sweeps_temporaries_by_age_only(root, make_tier):
+    """On a shared root a temporary's pid says nothing (its writer may be in another pid
+    namespace or on another node): a fresh one stays whatever its pid; an hours-old one goes."""
+    make_tier(root, shared=True).shutdown()
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # no such process here
+    blocks = os.path.join(root, "blocks")
+    d = key_digest(b"x").hex()
+    fresh = [f"{blocks}/{d[:2]}/{d}.kvb.tmp.{dead}.1", f"{blocks}/{d[:2]}/{d}.kvb.tmp.{os.getpid()}.2"]
+    old = f"{blocks}/00/{'00' * 16}.kvb.tmp.{dead}.3"
+    for p in fresh + [old]:
+        with open(p, "wb") as f:
+            f.write(b"partial")
+    os.utime(old, (os.path.getmtime(old) - 7200,) * 2)
+    tier = make_tier(root, shared=True)
+    assert tier.stats()["stale_temporaries_removed"] == 1
+    assert [os.path.exists(p) for p in fresh + [old]] == [True, True, False]
+
+
 def test_stale_temporaries_removed_at_start(root, make_tier, arena):
     a = fill(arena(2, BS), 8)
     first = make_tier(root)
@@ -1086,6 +1105,8 @@ def test_calls_after_shutdown(root, make_tier, arena):
         tier.set_arena(arena(2, BS))
     with pytest.raises(RuntimeError, match="shut down"):
         tier.submit_load(TransferJob(1, [b"unknown"], [0]))
+    with pytest.raises(RuntimeError, match="shut down"):
+        tier.touch([b"unknown"])
     tier.on_step_end()  # a no-op now
     assert tier.has_pending_work() is False
     assert tier.get_finished_jobs() == []
@@ -1152,3 +1173,114 @@ def test_jobs_and_lookups_by_digest(root, make_tier, arena):
     tier.drain()
     assert tier.get_finished_jobs()[0].success
     assert [tier.lookup(k) for k in keys] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+
+
+# ------------------------------------------------------------------------- found by breaking it
+
+
+def test_two_loads_into_one_slot_in_flight_are_refused(stored):
+    """A load into a slot another load in flight is filling is refused at submit (nothing is
+    submitted, no block is touched): the two reads would race, each block would fail
+    verification over the other's bytes, and intact files would be quarantined. The slot is
+    free again once the first load is reported."""
+    tier, keys, src, a = stored
+    tier.submit_load(TransferJob(10, [keys[0]], [5]))
+    before = tier.stats()
+    with pytest.raises(ValueError) as ei:
+        tier.submit_load(TransferJob(11, [keys[2], keys[1]], [6, 5]))
+    assert str(ei.value) == "job 11: slot 5 is being loaded by another job (two reads into one slot would race)"
+    tier_keys = ("loads_submitted", "load_failures", "loads_refused", "verify_failures", "used_bytes",
+                 "blocks_present", "hit_pending")
+    assert {k: tier.stats()[k] for k in tier_keys} == {k: before[k] for k in tier_keys}
+    assert [tier.lookup(k) for k in keys] == [LookupResult.HIT_PENDING, HIT, HIT, HIT]
+    (first,) = finish(tier)
+    assert first.job_id == 10
+    ok(first, BS)
+    assert np.array_equal(a[5], src[0])
+    ok(load(tier, 11, [keys[2], keys[1]], [6, 5]), 2 * BS)  # slot 6 was not left claimed
+    assert np.array_equal(a[6], src[2]) and np.array_equal(a[5], src[1])
+    assert tier.stats()["verify_failures"] == 0 and tier.stats()["quarantined"] == 0
+
+
+def test_job_id_of_a_job_settled_without_io_is_in_use_until_reported(stored):
+    """A job every key of which is refused (or present) settles at submit; its id stays in use
+    until get_finished_jobs() reported it, so no id is reported twice."""
+    tier, keys, src, a = stored
+    tier.submit_load(TransferJob(6, [b"never stored"], [0]))
+    with pytest.raises(ValueError, match=r"job_id 6 is already in flight \(or its result not yet reported"):
+        tier.submit_load(TransferJob(6, [b"also never"], [1]))
+    with pytest.raises(ValueError, match="job_id 6 is already in flight"):
+        tier.submit_store(TransferJob(6, keys[:1], [0]))  # present: would settle at once too
+    (res,) = tier.get_finished_jobs()
+    assert (res.job_id, res.success, res.failed_keys) == (6, False, {b"never stored": "not in the tier"})
+    ok(store(tier, 6, keys[:1], [0]), 0)  # free again: skipped as present
+    assert tier.get_finished_jobs() == []
+
+
+def test_refused_loads_are_counted_and_logged(stored, caplog):
+    tier, keys, src, a = stored
+    caplog.set_level("WARNING", logger="pykvtier")
+    res = load(tier, 3, [keys[0], b"nope"], [0, 1])
+    assert res.failed_keys == {b"nope": "not in the tier"} and res.successful_keys == [keys[0]]
+    s = tier.stats()
+    assert (s["loads_refused"], s["load_failures"], s["blocks_loaded"]) == (1, 0, 1)
+    tier.shutdown()  # flushes the aggregated warnings
+    assert any("1 loads refused without I/O (not in the tier; e.g. " + path_of(tier, b"nope") in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_shutdown_settles_finished_jobs_and_reports_them(stored, root, make_tier):
+    """Jobs not collected before shutdown() are settled by it while the engine and the root's
+    lock are held (a corrupt block is quarantined then, not after another tier may have opened
+    the root); get_finished_jobs() reports each of them once afterwards."""
+    tier, keys, src, a = stored
+    flip_byte(path_of(tier, keys[1]), FB - 1)  # payload: fails verification
+    tier.submit_load(TransferJob(1, [keys[0]], [4]))
+    tier.submit_load(TransferJob(2, [keys[1]], [5]))
+    tier.submit_store(TransferJob(3, [b"late"], [6]))
+    tier.shutdown()
+    assert os.listdir(tier.layout.quarantine_dir) != [] and not os.path.exists(path_of(tier, keys[1]))
+    got = {r.job_id: r for r in tier.get_finished_jobs()}
+    assert sorted(got) == [1, 2, 3]
+    ok(got[1], BS)
+    ok(got[3], BS)
+    assert got[2].success is False and list(got[2].failed_keys) == [keys[1]]
+    assert np.array_equal(a[4], src[0])
+    assert tier.get_finished_jobs() == [] and tier.has_pending_work() is False
+    again = make_tier(root)
+    assert [again.lookup(k) for k in (keys[0], keys[1], b"late")] == [HIT, MISS, HIT]
+
+
+def test_engine_refusing_a_job_at_submit_leaves_the_tier_as_it_was(stored):
+    """An engine that raises in submit_blocks (none of the job ran): the caller gets the
+    exception; the blocks stay (HIT, files kept), no failure is counted, the slots and the job
+    id are free for the next job."""
+    tier, keys, src, a = stored
+    real = tier._engine
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def submit_blocks(self, *args, **kw):
+            raise MemoryError("injected: the engine could not take the job")
+
+    before = tier.stats()
+    files = block_files(tier)
+    tier._engine = Refusing()
+    try:
+        with pytest.raises(MemoryError):
+            tier.submit_load(TransferJob(7, keys[:2], [4, 5]))
+        with pytest.raises(MemoryError):
+            tier.submit_store(TransferJob(8, [b"new"], [0]))
+    finally:
+        tier._engine = real
+    s = tier.stats()
+    for k in ("load_failures", "store_failures", "blocks_loaded", "evictions"):
+        assert s[k] == before[k], k
+    assert (s["blocks_present"], s["used_bytes"]) == (before["blocks_present"], before["used_bytes"]) == (4, 4 * FB)
+    assert [tier.lookup(k) for k in keys] == [HIT] * 4 and tier.lookup(b"new") is MISS
+    assert block_files(tier) == files
+    ok(load(tier, 7, keys[:2], [4, 5]), 2 * BS)
+    assert np.array_equal(a[4:6], src[:2])
+    ok(store(tier, 8, [b"new"], [0]), BS)

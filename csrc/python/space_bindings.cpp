@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -40,9 +42,65 @@ py::list as_entries(Op op, const std::vector<Request>& reqs) {
   return out;
 }
 
+// Slots with a load in flight: one byte each (claim/release, under the GIL).
+class SlotClaims {
+ public:
+  explicit SlotClaims(uint64_t num_slots) : busy_(num_slots, 0) {
+    if (num_slots == 0) throw py::value_error("num_slots is 0");
+  }
+  // Claims every slot of slots (n native int64, each in [0, num_slots): the caller's check) for
+  // job_id, or none: ValueError naming the first slot another job holds.
+  void claim(uint64_t job_id, py::handle slots) {
+    HeldBuffer b(slots, "slots");
+    const size_t n = b.nbytes() / 8;
+    const uint8_t* p = b.data();
+    size_t i = 0;
+    try {
+      for (; i < n; ++i) {
+        const uint64_t s = slot_at(p, i);
+        if (busy_[s])
+          throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
+                                " is being loaded by another job (two reads into one slot would race)");
+        busy_[s] = 1;
+      }
+    } catch (...) {
+      for (size_t k = 0; k < i; ++k) busy_[slot_at(p, k)] = 0;  // none claimed
+      throw;
+    }
+  }
+  void release(py::handle slots) {
+    HeldBuffer b(slots, "slots");
+    for (size_t i = 0, n = b.nbytes() / 8; i < n; ++i) busy_[slot_at(b.data(), i)] = 0;
+  }
+  size_t claimed() const { return size_t(std::count(busy_.begin(), busy_.end(), uint8_t(1))); }
+
+ private:
+  uint64_t slot_at(const uint8_t* p, size_t i) const {
+    int64_t s;
+    std::memcpy(&s, p + 8 * i, 8);
+    if (s < 0 || uint64_t(s) >= busy_.size())
+      throw py::value_error("slot " + std::to_string(s) + " is outside [0, " + std::to_string(busy_.size()) + ")");
+    return uint64_t(s);
+  }
+  std::vector<uint8_t> busy_;
+};
+
 }  // namespace
 
 void register_block_space(py::module_& m) {
+  py::class_<SlotClaims>(m, "SlotClaims", R"doc(
+The arena slots that loads in flight write: SlotClaims(num_slots). claim(job_id, slots) claims
+every slot of slots (a buffer of native int64: bytes, array('q'), numpy int64) or, when one is
+claimed already, none (ValueError naming the job and the slot: two reads racing into one slot
+would each fail verification over the other's bytes); release(slots) frees them; claimed() counts
+the claimed slots. A slot outside [0, num_slots) is a ValueError. Not thread-safe (the tier's
+thread).
+)doc")
+      .def(py::init<uint64_t>(), py::arg("num_slots"))
+      .def("claim", &SlotClaims::claim, py::arg("job_id"), py::arg("slots"))
+      .def("release", &SlotClaims::release, py::arg("slots"))
+      .def("claimed", &SlotClaims::claimed);
+
   m.def("tmp_sequence", &next_tmp_sequence,
         "The next value (int: 1, 2, 3, ...) of the process's one temporary-name sequence, which\n"
         "BlockSpace.tmp_path and pykvtier.layout's temporaries draw from: no two temporary names of\n"
