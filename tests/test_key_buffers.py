@@ -99,14 +99,14 @@ def test_strided_keys_store_and_load_as_their_bytes(root, make_tier, arena):
     assert a[2].tobytes() == a[0].tobytes()
 
 
-def test_reversed_view_of_an_mmap_is_hashed_in_bounds():
+def test_reversed_view_of_an_mmap_is_hashed_in_bounds(root):
     """The reversed view's buffer pointer is the mapping's last byte: hashing len bytes from it
     would read past the mapping (SIGSEGV). Run in a child so a crash is a failure, not the run's."""
     child = r"""
-import mmap, tempfile
+import mmap, sys
 import numpy as np
 from pykvtier import DiskTier, TransferJob, host_arena
-t = DiskTier(tempfile.mkdtemp(prefix="pykvtier-keybuf-"), 4096)
+t = DiskTier(sys.argv[1], 4096)
 t.set_arena(host_arena(2, 4096))
 m = mmap.mmap(-1, 1 << 20)
 m[:] = bytes(range(256)) * 4096
@@ -119,7 +119,7 @@ print(r.success, t.lookup_code(key), t.lookup_code(bytes(key)), t.lookup_code(by
 del key
 t.shutdown()
 """
-    p = subprocess.run([sys.executable, "-P", "-c", child], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-P", "-c", child, root], capture_output=True, text=True, timeout=120)
     assert (p.returncode, p.stdout.split("\n")) == (0, ["1 1", "True 0 0 1", ""]), p.stderr[-2000:]
 
 
