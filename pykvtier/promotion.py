@@ -30,7 +30,9 @@ class PromotionResult:
     """All loads a request asked for have settled.
 
     ``loaded``: key -> arena slot holding its bytes (for a block shared with an earlier request,
-    the slot that request gave). ``failed``: key -> reason; those keys are MISS from now on.
+    the slot that request gave). ``failed``: key -> reason; a key whose block failed to load is
+    MISS from now on (a key that was not a HIT when it was asked, e.g. RETRY while a shared
+    tier's probe was in flight, may be a HIT later).
     """
 
     request_id: Hashable

@@ -8,6 +8,7 @@ and threads. :meth:`wait`, :meth:`drain` and :meth:`shutdown` block, with the GI
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import functools
@@ -148,6 +149,10 @@ _TIER_STATS = (
     "store_retries", "leftovers_removed", "loads_refused")
 
 
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(DiskTierConfig)) - {"root_dir",
+                                                                                  "block_size_bytes"}
+
+
 def _describe(res: int) -> str:
     return _native.result_text(res)
 
@@ -168,10 +173,18 @@ def _undo_on_failure(init: Any) -> Any:
 
 
 def _as_key(key: Any) -> bytes:
+    """``key`` as bytes: bytes as is; any other buffer but str (bytearray, memoryview, a numpy
+    array, strided or not) as its logical bytes, as _native.check_job and BlockIndex.lookup_key
+    take it. TypeError else."""
     if isinstance(key, bytes):
         return key
     if isinstance(key, (bytearray, memoryview)):
         return bytes(key)
+    if not isinstance(key, str):
+        try:
+            return memoryview(key).tobytes()
+        except TypeError:
+            pass
     raise TypeError(f"key must be bytes, not {type(key).__name__}")
 
 
@@ -299,6 +312,10 @@ class DiskTier:
 
     def __init__(self, root_dir: str | os.PathLike, block_size_bytes: int, *, arena: Any = None,
                  **options: Any) -> None:
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"DiskTier: unknown option{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(_OPTION_NAMES))}")
         self._start(DiskTierConfig(root_dir, block_size_bytes, **options), arena)
 
     @classmethod

@@ -73,7 +73,7 @@ def test_disktier_builds_its_config(root):
 
 
 def test_config_refuses_unknown_and_bad_options(root):
-    with pytest.raises(TypeError, match="unexpected keyword argument 'capacity'"):
+    with pytest.raises(TypeError, match="DiskTier: unknown option 'capacity'; accepted: capacity_bytes, "):
         DiskTier(root, BS, capacity=1)
     with pytest.raises(ValueError, match="verify must be 'payload' or 'header', got 'none'"):
         DiskTierConfig(root, BS, verify="none")

@@ -858,3 +858,18 @@ def test_tier_probe_on_the_lstat_fallback(root, tmp_path, monkeypatch):
         assert not tier.has_pending_work()
     finally:
         tier.shutdown()
+
+
+def test_shared_tier_takes_numpy_keys_as_their_bytes(shared_pair):
+    """A numpy key (a strided column too) is the key of its bytes on a shared tier's probe
+    path and in touch, as lookups and jobs of an unshared tier take it; a str stays refused."""
+    writer, reader = shared_pair
+    col = np.frombuffer(b"rxeyaxlx", dtype=np.uint8)[::2]  # b"real"
+    assert col.tobytes() == b"real"
+    assert reader.lookup(col) is RETRY
+    reader.on_step_end()
+    reader.drain()
+    assert reader.lookup(col) is HIT and reader.lookup(b"real") is HIT
+    reader.touch([col, np.frombuffer(b"real", dtype=np.uint8)])
+    with pytest.raises(TypeError, match="key must be bytes, not str"):
+        reader.touch(["real"])

@@ -1284,3 +1284,12 @@ def test_engine_refusing_a_job_at_submit_leaves_the_tier_as_it_was(stored):
     ok(load(tier, 7, keys[:2], [4, 5]), 2 * BS)
     assert np.array_equal(a[4:6], src[:2])
     ok(store(tier, 8, [b"new"], [0]), BS)
+
+
+def test_unknown_option_names_the_accepted_ones(root):
+    with pytest.raises(TypeError) as ei:
+        DiskTier(root, BS, capcity_bytes=1 << 30, engin="uring")
+    msg = str(ei.value)
+    assert msg.startswith("DiskTier: unknown options 'capcity_bytes', 'engin'; accepted: capacity_bytes, ")
+    assert ", engine, " in msg and ", verify" in msg
+    assert not os.path.exists(os.path.join(root, "blocks"))  # nothing created

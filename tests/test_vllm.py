@@ -346,6 +346,19 @@ def test_bad_config_is_a_clear_error(root, bad, match):
         assert not os.path.exists(os.path.join(root, "pykvtier"))
 
 
+@pytest.mark.parametrize("bad, match", [
+    ({"engine": "io_uring"}, r"^PyKVTier: unknown engine 'io_uring': expected 'auto', 'uring' or 'posix'$"),
+    ({"queue_depth": 10000}, r"^PyKVTier: queue_depth must be in 1\.\.4096, got 10000$"),
+    ({"capacity_bytes": 1}, r"^PyKVTier \(capacity_bytes=1 split over 2 roots\): capacity_bytes=0 cannot hold one"),
+])
+def test_disk_tier_options_are_checked_before_any_root_is_touched(root, bad, match):
+    cfg = {**tier_config([os.path.join(root, "a"), os.path.join(root, "b")]), **bad}
+    spec = OffloadingSpecFactory.create_spec(offloading_config([cfg]))
+    with pytest.raises(ValueError, match=match):
+        SecondaryTierFactory.create_secondary_tier(cfg, memoryview(aligned_rows(4)), spec)
+    assert sorted(os.listdir(root)) == []
+
+
 def test_verify_reaches_every_root(root):
     roots = [os.path.join(root, "a"), os.path.join(root, "b")]
     cfg = tier_config(roots, verify="header")

@@ -63,7 +63,7 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import __version__
-from ..config import check_verify
+from ..config import DiskTierConfig, check_verify
 from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
 from ..tier import DiskTier
 from ..tier import JobResult as TierJobResult
@@ -99,6 +99,7 @@ class PyKVTierMetrics:
     BLOCKS_READ = "pykvtier:blocks_read"
     BLOCKS_WRITTEN = "pykvtier:blocks_written"
     LOAD_FAILURES = "pykvtier:load_failures"
+    LOADS_REFUSED = "pykvtier:loads_refused"
     STORE_FAILURES = "pykvtier:store_failures"
     VERIFY_FAILURES = "pykvtier:verify_failures"
     EVICTIONS = "pykvtier:evictions"
@@ -127,6 +128,9 @@ _COUNTERS = {
     PyKVTierMetrics.BLOCKS_WRITTEN: ("blocks_stored", "Blocks written to the disk tier."),
     PyKVTierMetrics.LOAD_FAILURES: (
         "load_failures", "Block loads that failed (missing, unreadable or corrupt file)."),
+    PyKVTierMetrics.LOADS_REFUSED: (
+        "loads_refused", "Block loads refused without I/O (not a HIT when submitted: evicted, "
+        "being written, or failed before)."),
     PyKVTierMetrics.STORE_FAILURES: ("store_failures", "Block stores that failed."),
     PyKVTierMetrics.VERIFY_FAILURES: (
         "verify_failures", "Blocks that failed verification on load (and were quarantined)."),
@@ -442,6 +446,12 @@ class PyKVTier(SecondaryTierManager):
         block = self.block_size_bytes  # the row stride, set by the base class
         self.namespace_dirs: list[str] = []
         self._tiers: list[DiskTier] = []
+        split = (f" (capacity_bytes={cfg.capacity_bytes} split over {len(cfg.root_dir)} roots)"
+                 if cfg.capacity_bytes is not None and len(cfg.root_dir) > 1 else "")
+        try:  # every DiskTier option checked before any root is touched
+            DiskTierConfig(cfg.root_dir[0], block, **opts)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"PyKVTier{split}: {exc}") from exc
         try:
             for root in cfg.root_dir:
                 try:
@@ -456,9 +466,6 @@ class PyKVTier(SecondaryTierManager):
                     logger.error("%s", err)
                     raise err from exc
                 except ValueError as exc:
-                    split = (f" (capacity_bytes={cfg.capacity_bytes} split over "
-                             f"{len(cfg.root_dir)} roots)"
-                             if cfg.capacity_bytes is not None and len(cfg.root_dir) > 1 else "")
                     raise ValueError(f"PyKVTier: root {root!r}{split}: {exc}") from exc
                 self._tiers.append(tier)
                 self.namespace_dirs.append(ns)
