@@ -190,3 +190,171 @@ def test_check_job_job_id_range(job_id, shown):
     digests, slots = _native.check_job(2**63 - 1, keys, [3], 4, True)
     assert digests == hashlib.blake2b(b"a", digest_size=16).digest()
     assert slots == struct.pack("=q", 3)
+
+
+class _Model:
+    """The index's state machine in plain Python (block_index.hpp's contract), for the
+    randomized comparison below."""
+
+    def __init__(self):
+        self.e = {}  # digest -> [state, readers, failed]
+        self.lru = []  # present blocks, least recently used first
+
+    def indexed(self, dg):
+        return dg in self.e and self.e[dg][0] in (PRESENT, WRITING, REMOVING)
+
+    def back(self, dg):
+        if dg in self.lru:
+            self.lru.remove(dg)
+        self.lru.append(dg)
+
+    def drop_lru(self, dg):
+        if dg in self.lru:
+            self.lru.remove(dg)
+
+    def tombstone(self, dg):
+        self.drop_lru(dg)
+        self.e[dg][0], self.e[dg][1] = FAILED, 0
+
+    def add_present(self, dg):
+        if self.indexed(dg) or (dg in self.e and self.e[dg][2]):
+            return False
+        self.e[dg] = [PRESENT, 0, False]
+        self.back(dg)
+        return True
+
+    def insert_writing(self, dg):
+        if self.indexed(dg):
+            return False
+        self.e[dg] = [WRITING, 0, False]
+        return True
+
+    def finish_store(self, dg):
+        if dg in self.e and self.e[dg][0] == WRITING:
+            self.e[dg][0] = PRESENT
+            self.back(dg)
+            return 1
+        return 0
+
+    def erase_writing(self, dg):
+        if dg in self.e and self.e[dg][0] == WRITING:
+            del self.e[dg]
+            return True
+        return False
+
+    def set_removing(self, dg):
+        if dg in self.e and self.e[dg][0] == PRESENT and self.e[dg][1] == 0:
+            self.drop_lru(dg)
+            self.e[dg][0] = REMOVING
+            return True
+        return False
+
+    def forget_removed(self, dg):
+        if dg not in self.e or self.e[dg][0] != REMOVING:
+            return False
+        if self.e[dg][2]:
+            self.tombstone(dg)
+        else:
+            self.drop_lru(dg)
+            del self.e[dg]
+        return True
+
+    def restore(self, dg):
+        if dg not in self.e or self.e[dg][0] != REMOVING:
+            return False
+        self.e[dg][0] = PRESENT
+        self.drop_lru(dg)
+        self.lru.insert(0, dg)
+        return True
+
+    def mark_failed(self, dg):
+        if dg not in self.e:
+            self.e[dg] = [FAILED, 0, False]
+        was = self.e[dg][2]
+        self.e[dg][2] = True
+        return not was
+
+    def admit_load(self, dg):
+        if dg not in self.e:
+            return A_ABSENT
+        st, _, failed = self.e[dg]
+        if failed:
+            return A_FAILED
+        c = {PRESENT: OK, WRITING: A_WRITING, REMOVING: A_REMOVING}.get(st, A_ABSENT)
+        if c == OK:
+            self.e[dg][1] += 1
+            self.back(dg)
+        return c
+
+    def finish_load(self, dg):
+        if dg not in self.e or self.e[dg][1] == 0:
+            return 0
+        self.e[dg][1] -= 1
+        if self.e[dg][1] == 0 and self.e[dg][2] and self.e[dg][0] == PRESENT:
+            self.tombstone(dg)
+            return 1
+        return 0
+
+    def take_victims(self, n, keep):
+        out = []
+        for dg in list(self.lru):
+            if len(out) == n:
+                break
+            if self.e[dg][1] or dg in keep:
+                continue
+            self.lru.remove(dg)
+            self.e[dg][0] = REMOVING
+            out.append(dg)
+        return out
+
+
+def test_index_matches_a_model_under_random_operations():
+    """The open-addressing table (backward-shift deletion, growth) and the index-linked LRU
+    list against a plain-Python model: 40,000 seeded random operations over 3,000 digests
+    (entries inserted, erased and reused many times), states, readers, failed marks, the LRU
+    order and the counts compared throughout."""
+    import random
+
+    rng = random.Random(7)
+    pool = [d(i) for i in range(3000)]
+    ix, m = _native.BlockIndex(unknown_is_miss=True), _Model()
+    for step in range(40_000):
+        dg = rng.choice(pool)
+        op = rng.randrange(12)
+        if op == 0:
+            assert ix.add_present(dg) == m.add_present(dg)
+        elif op == 1:
+            assert ix.insert_writing(dg) == m.insert_writing(dg)
+        elif op == 2:
+            assert ix.finish_stores(dg, [0]) == m.finish_store(dg)
+        elif op == 3:
+            assert ix.erase_writing(dg) == m.erase_writing(dg)
+        elif op == 4:
+            assert ix.set_removing(dg) == m.set_removing(dg)
+        elif op == 5:
+            assert ix.forget_removed(dg) == m.forget_removed(dg)
+        elif op == 6:
+            assert ix.restore(dg) == m.restore(dg)
+        elif op == 7 and rng.random() < 0.2:
+            assert ix.mark_failed(dg) == m.mark_failed(dg)
+        elif op == 8:
+            codes = ix.admit_loads(dg)
+            assert (OK if codes is None else codes[0]) == m.admit_load(dg)
+        elif op == 9:
+            assert ix.finish_loads(dg) == m.finish_load(dg)
+        elif op == 10:
+            keep = set(rng.sample(pool, 3))
+            n = rng.randrange(4)
+            assert ix.take_victims(n, list(keep)) == m.take_victims(n, keep)
+        else:
+            buf = b"".join(rng.sample(pool, 4))
+            ix.touch(buf)
+            for x in (buf[i:i + 16] for i in range(0, 64, 16)):
+                if x in m.lru:
+                    m.back(x)
+        if step % 2000 == 0 or step == 39_999:
+            assert ix.lru_order() == m.lru
+            assert len(ix) == sum(m.indexed(x) for x in pool) and ix.present == len(m.lru)
+            for x in pool:
+                st = m.e.get(x, [ABSENT, 0, False])
+                assert (ix.state(x), ix.readers(x), ix.failed(x)) == tuple(st), (step, x.hex())

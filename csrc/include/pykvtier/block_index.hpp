@@ -7,8 +7,6 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <list>
-#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -79,7 +77,7 @@ class BlockIndex {
   uint32_t readers(const uint8_t* digest) const;
   bool failed(const uint8_t* digest) const;  // marked failed (indexed or a tombstone)
   size_t size() const { return blocks_; }    // Present + Writing + Removing blocks
-  size_t present() const { return lru_.size(); }  // Present blocks
+  size_t present() const { return lru_size_; }  // Present blocks
 
   // --- loads
   // For each of n digests (kDigestBytes each, back to back) writes an Admit code; an admitted
@@ -129,23 +127,38 @@ class BlockIndex {
   std::vector<uint8_t> lru_order() const;
 
  private:
+  // Entries live in entries_ (stable indexes, reused through free_); table_ is an open-addressing
+  // table (linear probing, at most half full, backward-shift deletion) of slots
+  // (low 32 bits of the digest's first 8 bytes << 32 | entry index + 1; 0: empty), so a find
+  // touches one table slot and one entry. The LRU list links entries by index.
+  static constexpr uint32_t kNil = UINT32_MAX;
   struct Entry {
+    Digest digest;
+    uint32_t prev = kNil, next = kNil;  // LRU neighbours (in_lru)
+    uint32_t readers = 0;
     BlockState state = BlockState::Absent;
     bool failed = false;
     bool in_lru = false;
-    uint32_t readers = 0;
-    std::list<Digest>::iterator lru;
   };
-  using Map = std::unordered_map<Digest, Entry, DigestHash>;
 
+  uint32_t index_of(const uint8_t* digest) const;  // kNil if not indexed
   Entry* find(const uint8_t* digest);
   const Entry* find(const uint8_t* digest) const;
-  void lru_push_back(Map::iterator it);
-  void lru_remove(Entry& e);
-  void to_tombstone(Entry& e);
+  uint32_t insert(const uint8_t* digest);  // a new entry (the digest must be absent)
+  void erase(uint32_t idx);
+  void grow();
+  void lru_push_back(uint32_t idx);
+  void lru_push_front(uint32_t idx);
+  void lru_unlink(uint32_t idx);
+  void lru_remove(uint32_t idx);
+  void to_tombstone(uint32_t idx);
 
-  Map map_;
-  std::list<Digest> lru_;  // Present blocks, least recently used first
+  std::vector<Entry> entries_;
+  std::vector<uint32_t> free_;
+  std::vector<uint64_t> table_;
+  size_t mask_ = 0, used_ = 0;  // table_.size() - 1; entries in the table
+  uint32_t head_ = kNil, tail_ = kNil;  // LRU: least recently used first
+  size_t lru_size_ = 0;
   size_t blocks_ = 0;
   bool unknown_is_miss_;
   LookupCounts counts_;
