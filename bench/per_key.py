@@ -11,6 +11,7 @@ short. Every loaded block is checked byte-exact; every lookup of a stored key mu
     python bench/per_key.py                         # 4096 keys, 64 KiB blocks, 32-key jobs
     python bench/per_key.py --keys 16384 --job-blocks 128 --block 2M --dir /mnt/nvme/x
     python bench/per_key.py --shards 2              # two roots: keys sharded by digest
+    python bench/per_key.py --breakdown             # a step's first submit apart from the others
 
 Targets (issue #10): submit_load and submit_store <= 1 us per key, lookups >= 1 M indexed
 keys/s from Python. Printed beside the figures, never asserted (these machines are noisy).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import time
 import uuid
@@ -112,16 +114,21 @@ def run(args) -> None:
                                             is_promotion=is_load, req_context=ctx))
                     next_id += 1
                 spent, settle = 0.0, 0.0
+                first, rest = [], []  # us per key of each submit call: a step's first, the others
                 for s in range(0, len(jobs), args.inflight):
                     step = jobs[s:s + args.inflight]
-                    c0 = time.thread_time()
-                    for j in step:
+                    for k, j in enumerate(step):
+                        c0 = time.thread_time()
                         submit(j)
-                    spent += time.thread_time() - c0
+                        c1 = time.thread_time()
+                        spent += c1 - c0
+                        (rest if k else first).append((c1 - c0) / len(j.keys) * 1e6)
                     settle += finish(mgr, {j.job_id for j in step}, wait)
                 phase = "load" if is_load else "store"
                 fig[f"submit_{phase}"] = spent / n * 1e6
                 fig[f"settle_{phase}"] = settle / n * 1e6
+                fig[f"first_{phase}"] = statistics.median(first)
+                fig[f"rest_{phase}"] = statistics.median(rest) if rest else float("nan")
             if not np.array_equal(prim, src):
                 bad = int((prim != src).any(axis=1).sum())
                 raise SystemExit(f"{name}: {bad} blocks loaded with wrong bytes")
@@ -148,6 +155,13 @@ def run(args) -> None:
     for name, f in out.items():
         print(f"{name:14s} {f['submit_store']:12.2f} {f['submit_load']:12.2f} "
               f"{f['settle_store']:12.2f} {f['settle_load']:12.2f} {f['lookups_per_s'] / 1e6:12.2f}")
+    if args.breakdown:
+        print("median us per key of one submit call: the first job of a step (after the tier sat "
+              "idle while the step's I/O ran) / the step's other jobs")
+        print(f"{'tier':14s} {'store first':>12s} {'store rest':>12s} {'load first':>12s} {'load rest':>12s}")
+        for name, f in out.items():
+            print(f"{name:14s} {f['first_store']:12.2f} {f['rest_store']:12.2f} {f['first_load']:12.2f} "
+                  f"{f['rest_load']:12.2f}")
     a, b = out["pykvtier"], out["vllm-fs"]
     print(f"ratios pykvtier / vllm-fs: submit_store {a['submit_store'] / b['submit_store']:.2f}x, "
           f"submit_load {a['submit_load'] / b['submit_load']:.2f}x (vLLM fs's lookup answers RETRY "
@@ -170,6 +184,8 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1, help="roots of the PyKVTier adapter")
     p.add_argument("--passes", type=int, default=3, help="lookup passes (the best is printed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print the median cost of a step's first submit and of the others")
     args = p.parse_args()
     args.block = parse_size(args.block)
     args.dir = args.dir or default_bench_dir("pykvtier-per-key")

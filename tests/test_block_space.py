@@ -216,6 +216,43 @@ def test_direct_round_trip_and_alignment_checks(direct_root, arena):
         e.shutdown()
 
 
+def test_jobs_built_in_finished_jobs_carry_nothing_over(engine, layout, arena):
+    """Engines build a new job in a finished one (its requests' names reuse their memory): a
+    store after a recycling store recycles nothing, a smaller read after a larger store reads
+    exactly its blocks, an unlink after them removes exactly its files."""
+    a = arena(4, BS)
+    a[:] = np.random.default_rng(9).integers(0, 256, a.shape, dtype=np.uint8)
+    space = space_of(layout, a)
+    old = digests_of(b"o0", b"o1", b"o2")
+    engine.submit_blocks(1, Op.WRITE_BLOCK, space, old, array("q", [0, 1, 2]), None, _native.SubmitOptions(direct=False))
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[BS] * 3]
+    new = digests_of(b"n0")
+    engine.submit_blocks(2, Op.WRITE_BLOCK, space, new, array("q", [3]), {0: old[:16]}, direct=False)
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[BS]]
+    recycled = engine.stats()["recycled"]
+    more = digests_of(b"m0", b"m1")
+    engine.submit_blocks(3, Op.WRITE_BLOCK, space, more, array("q", [1, 2]), direct=False)  # no victim now
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[BS, BS]]
+    assert engine.stats()["recycled"] == recycled
+    assert block_files(layout) == sorted(_native.block_name(x) for x in _split16(old[16:] + new + more))
+    dst = arena(1, BS)
+    engine.submit_blocks(4, Op.READ_BLOCK, space_of(layout, dst), new, array("q", [0]), direct=False)
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[BS]]
+    assert np.array_equal(dst[0], a[3])
+    engine.submit_blocks(5, Op.UNLINK, space, more[:16])
+    engine.drain()
+    assert [j.results for j in engine.poll()] == [[0]]
+    assert block_files(layout) == sorted(_native.block_name(x) for x in _split16(old[16:] + new + more[16:]))
+
+
+def _split16(b: bytes) -> list[bytes]:
+    return [b[i:i + 16] for i in range(0, len(b), 16)]
+
+
 def test_recycle_victims(engine, layout, arena):
     a = arena(3, BS)
     a[:] = np.random.default_rng(5).integers(0, 256, a.shape, dtype=np.uint8)

@@ -78,7 +78,9 @@ void PosixEngine::job_done_locked(Job* job, std::unique_lock<std::mutex>& lk) {
   }
   job->end_time = monotonic_seconds();
   finish_locked(*job);
-  submitted_.erase(job);
+  auto it = submitted_.find(job);
+  retire_locked(std::move(it->second));
+  submitted_.erase(it);
 }
 
 void PosixEngine::thread_main() {

@@ -333,8 +333,14 @@ inline void check_direct_alignment(const Job& job, uint32_t mem_align) {
 
 // A job of no requests yet with the options o applied. fix_mode(file_mode): whether created
 // files need their mode set after creation (detail/safe_path.hpp mode_needs_fix for host engines).
-inline std::unique_ptr<Job> new_job(uint64_t id, py::handle op, const SubmitOptions& o, bool (*fix_mode)(uint32_t)) {
-  auto job = std::make_unique<Job>();
+// spare: a Job to build it in (JobQueue::spare_job; its requests are left for the caller), or
+// null for a new one.
+inline std::unique_ptr<Job> new_job(uint64_t id, py::handle op, const SubmitOptions& o, bool (*fix_mode)(uint32_t),
+                                    std::unique_ptr<Job> spare = nullptr) {
+  auto job = spare ? std::move(spare) : std::make_unique<Job>();
+  job->next = job->done = 0;
+  job->submits = 0;
+  job->submit_time = job->start_time = job->end_time = 0;
   job->id = id;
   job->op = op_from_object(op);
   job->verify = o.verify;
@@ -360,8 +366,9 @@ inline std::unique_ptr<Job> make_job(uint64_t id, py::handle op, const py::seque
 // A job of space's blocks (submit_blocks: block_requests' arguments), checked as make_job's.
 inline std::unique_ptr<Job> make_block_job(uint64_t id, py::handle op, const BlockSpace& space, py::handle digests,
                                            py::handle slots, py::handle victims, const SubmitOptions& o,
-                                           const EngineTraits& traits, bool (*fix_mode)(uint32_t)) {
-  auto job = new_job(id, op, o, fix_mode);
+                                           const EngineTraits& traits, bool (*fix_mode)(uint32_t),
+                                           std::unique_ptr<Job> spare = nullptr) {
+  auto job = new_job(id, op, o, fix_mode, std::move(spare));
   const uint32_t mem_align = o.mem_align;
   block_requests(space, job->op, digests, slots, victims, traits.recycles, job->reqs);
   // check_request holds by construction (BlockSpace: names under PATH_MAX without NUL, payload
@@ -432,7 +439,7 @@ Cls& def_engine(Cls& cls, const EngineTraits& traits, bool (*fix_mode)(uint32_t)
                                   fsync.value_or(false), file_mode.value_or(0600), verify.value_or("payload"));
               o = &*made;
             }
-            auto job = make_block_job(job_id, op, space, digests, slots, victims, *o, traits, fix_mode);
+            auto job = make_block_job(job_id, op, space, digests, slots, victims, *o, traits, fix_mode, e.spare_job());
             check(*job);
             e.submit(std::move(job));
           },

@@ -1035,8 +1035,9 @@ void UringEngine::worker_main(unsigned idx) {
     std::lock_guard<std::mutex> lk(mu_);
     for (Job* j : done) {
       finish_locked(*j);
-      active.erase(std::find_if(active.begin(), active.end(),
-                                [j](const std::unique_ptr<Job>& p) { return p.get() == j; }));
+      auto it = std::find_if(active.begin(), active.end(), [j](const std::unique_ptr<Job>& p) { return p.get() == j; });
+      retire_locked(std::move(*it));
+      active.erase(it);
     }
     done.clear();
   }

@@ -98,17 +98,33 @@ struct BlockSpace {
   // unused for Unlink): ReadBlock path = block_path; WriteBlock path = tmp_path, target =
   // block_path; both length = payload_bytes, addr = slot_addr(slot), the digest; Unlink path =
   // block_path. Other ops: std::invalid_argument.
+  // The names are built into r's strings in place (their capacity reused: a recycled Request
+  // allocates nothing); r's other names are cleared.
   void fill(Op op, const uint8_t* digest, uint64_t slot, Request& r) const {
+    r.recycle.clear();
+    r.offset = r.length = r.addr = 0;
+    r.result = 0;
+    r.issue_time = r.done_time = 0;
+    std::memset(r.digest, 0, kDigestBytes);
     switch (op) {
       case Op::ReadBlock:
-        r.path = block_path(digest);
+        r.path.clear();
+        append_block_path(r.path, digest);
+        r.target.clear();
         break;
       case Op::WriteBlock:
-        r.target = block_path(digest);
-        r.path = tmp_path_of(r.target);
+        r.target.clear();
+        append_block_path(r.target, digest);
+        r.path.assign(r.target);
+        r.path += ".tmp.";
+        append_number(r.path, uint64_t(pid));
+        r.path += '.';
+        append_number(r.path, tmp_sequence->fetch_add(1, std::memory_order_relaxed));
         break;
       case Op::Unlink:
-        r.path = block_path(digest);
+        r.path.clear();
+        append_block_path(r.path, digest);
+        r.target.clear();
         return;
       default:
         throw std::invalid_argument(std::string("a block space builds read_block, write_block and unlink "
