@@ -894,10 +894,7 @@ class DiskTier:
             self._claims.release(pend.claimed)
             return
         for d in _split(pend.digests):
-            if self._bindex.erase_writing(d):
-                self._writing -= 1
-                self._used_bytes -= fb
-                self._fs_free += fb
+            self._forget_writing(d)
 
     def _reserve(self, recycle: bool = False) -> bool | bytes:
         """Makes room for one block file: True (room), False (no room: capacity or the file
@@ -1089,12 +1086,16 @@ class DiskTier:
         return self._result(pend)
 
     def _store_failed(self, digest: bytes, res: int) -> None:
-        self._writing -= 1
         self._stats["store_failures"] += 1
-        self._bindex.erase_writing(digest)
-        self._used_bytes -= self.file_bytes
-        self._fs_free += self.file_bytes
+        self._forget_writing(digest)
         self._warn("stores failed", _describe(res), self.layout.block_path(digest))
+
+    def _forget_writing(self, digest: bytes) -> None:
+        """A WRITING block whose store will not happen: out of the index, its bytes free again."""
+        if self._bindex.erase_writing(digest):
+            self._writing -= 1
+            self._used_bytes -= self.file_bytes
+            self._fs_free += self.file_bytes
 
     def _retry_store(self, pend: _Pending, no_space: list[tuple[int, int]]) -> bool:
         """Keys of a store that met a full file system (ENOSPC, EDQUOT): evicts as many least
