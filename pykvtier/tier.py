@@ -24,7 +24,7 @@ from typing import Any
 
 from . import _native
 from .buffers import Arena, as_arena
-from .config import DiskTierConfig, as_int
+from .config import DiskTierConfig
 from .engines import Op, make_host_engine
 from .layout import (
     HEADER_BYTES,
@@ -728,32 +728,16 @@ class DiskTier:
 
     def _check_job(self, job: TransferJob, digests: Iterable[bytes] | None, unique_slots: bool
                    ) -> tuple[list[bytes], bytes, bytes]:
-        """The job's keys (a list of bytes), slots (one native int64 each) and key digests (16
-        bytes each), each of job.keys, job.slot_ids and ``digests`` iterated once, checked
-        (_native.check_job: the per-key checks in C++)."""
+        """The job's keys (a new list of bytes), key digests (16 bytes each) and slots (one
+        native int64 each), each of job.keys, job.slot_ids and ``digests`` iterated once, checked in
+        one call (_native.check_job: job id, in-flight ids, keys, slots, digests)."""
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
         if self._arena is None:
             raise RuntimeError("no arena: call set_arena() first")
-        job_id = as_int(job.job_id, "job_id")
-        if job_id in self._job_ids:
-            raise ValueError(f"job_id {job_id} is already in flight (or its result not yet "
-                             "reported by get_finished_jobs())")
-        if isinstance(job.keys, (bytes, bytearray, memoryview, str)):
-            raise TypeError(f"job {job_id}: keys must be a sequence of keys (bytes), not one "
-                            f"{type(job.keys).__name__}: wrap a single key in a list")
-        if isinstance(job.slot_ids, (bytes, bytearray, memoryview, str)):
-            raise TypeError(f"job {job_id}: slot_ids must be a sequence of ints, not one "
-                            f"{type(job.slot_ids).__name__}")
-        keys = list(job.keys)
-        slots = job.slot_ids
-        if hasattr(slots, "tolist"):  # numpy
-            slots = slots.tolist()
         if digests is not None and not isinstance(digests, (list, tuple)):
             digests = list(digests)
-        digest_buf, slot_buf = _native.check_job(job_id, keys, slots, self._arena.num_slots,
-                                                 unique_slots, digests)
-        return keys, slot_buf, digest_buf
+        return _native.check_job(job, self._arena.num_slots, unique_slots, digests, self._job_ids)
 
     def submit_load(self, job: TransferJob, digests: Sequence[bytes] | None = None) -> None:
         """Loads ``job.keys`` into their arena slots. Returns at once; the result comes from
@@ -763,7 +747,7 @@ class DiskTier:
         Raises ValueError/TypeError for a malformed job (nothing is submitted then), e.g. two
         keys into one slot (their reads would race, and each block's checksum is verified over
         the bytes in its slot)."""
-        keys, slots, digests = self._check_job(job, digests, unique_slots=True)
+        keys, digests, slots = self._check_job(job, digests, unique_slots=True)
         self._claims.claim(job.job_id, slots)  # ValueError: a slot another load is filling
         codes = self._bindex.admit_loads(digests)  # None: every key admitted
         pend = _Pending(job, True, keys, keys, digests, slots, {}, claimed=slots)
@@ -787,7 +771,7 @@ class DiskTier:
         ``capacity_bytes``, ``min_free_bytes``); a key that cannot get room fails (reported per
         key). A key that meets a full file system (ENOSPC, EDQUOT) evicts as many blocks and is
         written once more before the job is reported. ``digests``: as for :meth:`submit_load`."""
-        keys, slots, digests = self._check_job(job, digests, unique_slots=False)
+        keys, digests, slots = self._check_job(job, digests, unique_slots=False)
         fb = self.file_bytes
         room = self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
         if self.capacity_bytes is not None:

@@ -3,9 +3,11 @@
 import hashlib
 import struct
 
+import numpy as np
+
 import pytest
 
-from pykvtier import _native
+from pykvtier import TransferJob, _native
 
 HIT, MISS, RETRY, HIT_PENDING, UNKNOWN = range(5)
 ABSENT, PRESENT, WRITING, REMOVING, FAILED = range(5)
@@ -180,16 +182,63 @@ def test_digest_batches_must_be_contiguous():
 @pytest.mark.parametrize("job_id, shown", [(2**63, "9223372036854775808"), (-1, "-1"),
                                             (-(2**64), str(-(2**64)))])
 def test_check_job_job_id_range(job_id, shown):
-    keys = [b"a"]
+    job = TransferJob(job_id, [b"a"], [0])
     with pytest.raises(ValueError) as e:
-        _native.check_job(job_id, keys, [0], 4, True)
+        _native.check_job(job, 4, True)
     assert str(e.value) == f"job_id {shown} must be in [0, 2**63)"
     with pytest.raises(TypeError) as e:
-        _native.check_job(1.0, keys, [0], 4, True)
+        _native.check_job(TransferJob(1.0, [b"a"], [0]), 4, True)
     assert str(e.value) == "job_id must be an integer, not float"
-    digests, slots = _native.check_job(2**63 - 1, keys, [3], 4, True)
+    keys, digests, slots = _native.check_job(TransferJob(2**63 - 1, (b"a",), [3]), 4, True)
+    assert keys == [b"a"]
     assert digests == hashlib.blake2b(b"a", digest_size=16).digest()
     assert slots == struct.pack("=q", 3)
+
+
+@pytest.mark.parametrize("slots", [
+    np.array([3, 0, 2], dtype=np.int64), np.array([3, 0, 2], dtype=np.uint8),
+    np.array([9, 3, 7, 0, 5, 2], dtype=np.int32)[1::2],  # strided: read by its strides
+    np.array([2, 0, 3], dtype=np.int16)[::-1], [3, 0, 2], (np.int64(3), 0, np.uint16(2))])
+def test_check_job_slot_ids_any_integer_sequence(slots):
+    keys, digests, packed = _native.check_job(TransferJob(5, [b"x", b"y", b"z"], slots), 4, True)
+    assert struct.unpack("=3q", packed) == (3, 0, 2)
+    assert digests == b"".join(hashlib.blake2b(k, digest_size=16).digest() for k in keys)
+
+
+@pytest.mark.parametrize("slots, exc, msg", [
+    (np.array([0, -1], dtype=np.int64), ValueError, "job 5: slot -1 outside the arena (0..3)"),
+    (np.array([0, 4], dtype=np.uint64), ValueError, "job 5: slot 4 outside the arena (0..3)"),
+    (np.array([0, 1, 2], dtype=np.int64), ValueError, "job 5: 2 keys but 3 slot_ids"),
+    (np.array([0.0, 1.0]), TypeError, "job 5: slot id must be an integer, not float64"),
+    ([0, True], TypeError, "job 5: slot id must be an integer, not bool"),
+    (b"\x00\x01", TypeError, "job 5: slot_ids must be a sequence of ints, not one bytes"),
+    (7, TypeError, "job 5: slot_ids must be a sequence of ints, not int"),
+    ([1, 1], ValueError, "job 5: slot 1 given twice; a load needs a slot per key"),
+])
+def test_check_job_bad_slot_ids(slots, exc, msg):
+    with pytest.raises(exc) as e:
+        _native.check_job(TransferJob(5, [b"x", b"y"], slots), 4, True)
+    assert str(e.value) == msg
+
+
+def test_check_job_in_flight_and_keys():
+    with pytest.raises(ValueError) as e:
+        _native.check_job(TransferJob(7, [b"x"], [0]), 4, True, None, {6, 7})
+    assert str(e.value) == ("job_id 7 is already in flight (or its result not yet reported by "
+                            "get_finished_jobs())")
+    keys, _, _ = _native.check_job(TransferJob(7, [b"x"], [0]), 4, True, None, {6})
+    assert keys == [b"x"]
+    for bad, msg in ((b"xy", "job 7: keys must be a sequence of keys (bytes), not one bytes: wrap a "
+                              "single key in a list"),
+                     (["x"], "job 7: key must be bytes, not str"),
+                     (5, "job 7: keys must be a sequence of keys (bytes), not int")):
+        with pytest.raises(TypeError) as e:
+            _native.check_job(TransferJob(7, bad, [0]), 4, True)
+        assert str(e.value) == msg
+    given = [bytearray(b"ab"), memoryview(b"cd"), np.frombuffer(b"efgh", np.uint8)[::2]]
+    keys, digests, _ = _native.check_job(TransferJob(7, given, [0, 1, 2]), 4, True)
+    assert keys == [b"ab", b"cd", b"eg"] and all(type(k) is bytes for k in keys)
+    assert type(given[0]) is bytearray  # the caller's list is left as it was
 
 
 class _Model:

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -131,45 +132,119 @@ int64_t job_id_of(py::handle h) {
   return v;
 }
 
-// The per-key checks of a DiskTier job (see check_job's docstring). Raises with the job's id.
-py::tuple check_job(py::handle job_id_obj, py::list keys, py::handle slots, uint64_t num_slots,
-                    bool unique_slots, py::handle digests) {
-  const int64_t job_id = job_id_of(job_id_obj);
-  const std::string job = "job " + std::to_string(job_id) + ": ";
-  PyObject* seq = PySequence_Fast(slots.ptr(), "slot_ids must be a sequence of ints");
-  if (seq == nullptr) throw py::error_already_set();
+// One slot id as an int64 (-1 for a value beyond int64: outside the arena either way); TypeError naming
+// the job for a non-integer or a bool.
+int64_t slot_of(PyObject* o, const std::string& job) {
+  long long v;
+  if (PyLong_CheckExact(o)) {
+    v = PyLong_AsLongLong(o);
+  } else {
+    if (PyBool_Check(o)) throw py::type_error(job + "slot id must be an integer, not bool");
+    PyObject* idx = PyNumber_Index(o);
+    if (idx == nullptr) {
+      PyErr_Clear();
+      throw py::type_error(job + "slot id must be an integer, not " + type_name(o));
+    }
+    v = PyLong_AsLongLong(idx);
+    Py_DECREF(idx);
+  }
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    v = -1;
+  }
+  return v;
+}
+
+[[noreturn]] void slot_outside(const std::string& job, const std::string& shown, uint64_t num_slots) {
+  throw py::value_error(job + "slot " + shown + " outside the arena (0.." + std::to_string(num_slots - 1) + ")");
+}
+
+// A job's slot ids into out (n of them; ValueError naming the job for another count or a slot outside
+// [0, num_slots)): a one-dimensional buffer of integers (a numpy integer array) read in place, any other
+// sequence item by item.
+void read_slots(py::handle slots, size_t n, uint64_t num_slots, const std::string& job, int64_t* out) {
+  PyObject* so = slots.ptr();
+  if (PyObject_CheckBuffer(so)) {
+    HeldBuffer b(so, PyBUF_RECORDS_RO);
+    const char* f = b.view.format ? b.view.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') ++f;
+    const bool integral = f[0] != '\0' && f[1] == '\0' && std::strchr("bBhHiIlLqQnN", f[0]) != nullptr;
+    if (integral && b.view.ndim == 1) {
+      if (size_t(b.view.shape[0]) != n)
+        throw py::value_error(job + std::to_string(n) + " keys but " + std::to_string(b.view.shape[0]) +
+                              " slot_ids");
+      const bool is_signed = std::islower(static_cast<unsigned char>(f[0])) != 0;
+      const auto* base = static_cast<const char*>(b.view.buf);
+      for (size_t i = 0; i < n; ++i) {
+        const char* p = base + Py_ssize_t(i) * b.view.strides[0];
+        uint64_t u = 0;
+        bool neg = false;
+        switch (b.view.itemsize) {
+          case 1: { int8_t x; std::memcpy(&x, p, 1); neg = is_signed && x < 0; u = is_signed ? uint64_t(int64_t(x)) : uint64_t(uint8_t(x)); break; }
+          case 2: { int16_t x; std::memcpy(&x, p, 2); neg = is_signed && x < 0; u = is_signed ? uint64_t(int64_t(x)) : uint64_t(uint16_t(x)); break; }
+          case 4: { int32_t x; std::memcpy(&x, p, 4); neg = is_signed && x < 0; u = is_signed ? uint64_t(int64_t(x)) : uint64_t(uint32_t(x)); break; }
+          case 8: { int64_t x; std::memcpy(&x, p, 8); neg = is_signed && x < 0; u = uint64_t(x); break; }
+          default: throw py::type_error(job + "slot_ids: an integer buffer of " + std::to_string(b.view.itemsize) +
+                                        "-byte items is not supported");
+        }
+        if (neg || u >= num_slots)
+          slot_outside(job, neg ? std::to_string(int64_t(u)) : std::to_string(u), num_slots);
+        out[i] = int64_t(u);
+      }
+      return;
+    }
+  }
+  PyObject* seq = PySequence_Fast(so, "slot_ids must be a sequence of ints");
+  if (seq == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(job + "slot_ids must be a sequence of ints, not " + type_name(slots));
+  }
   py::object hold = py::reinterpret_steal<py::object>(seq);
-  const size_t n = size_t(PyList_GET_SIZE(keys.ptr()));
   const size_t ns = size_t(PySequence_Fast_GET_SIZE(seq));
-  if (ns != n)
-    throw py::value_error(job + std::to_string(n) + " keys but " + std::to_string(ns) + " slot_ids");
-  std::string slot_buf(n * sizeof(int64_t), '\0');
-  auto* out = reinterpret_cast<int64_t*>(slot_buf.data());
+  if (ns != n) throw py::value_error(job + std::to_string(n) + " keys but " + std::to_string(ns) + " slot_ids");
   PyObject** items = PySequence_Fast_ITEMS(seq);
   for (size_t i = 0; i < n; ++i) {
-    PyObject* o = items[i];
-    long long v;
-    if (PyLong_CheckExact(o)) {
-      v = PyLong_AsLongLong(o);
-    } else {
-      if (PyBool_Check(o)) throw py::type_error(job + "slot id must be an integer, not bool");
-      PyObject* idx = PyNumber_Index(o);
-      if (idx == nullptr) {
-        PyErr_Clear();
-        throw py::type_error(job + "slot id must be an integer, not " + type_name(o));
-      }
-      v = PyLong_AsLongLong(idx);
-      Py_DECREF(idx);
-    }
-    if (v == -1 && PyErr_Occurred()) {
-      PyErr_Clear();
-      v = -1;  // (beyond int64: outside the arena either way)
-    }
-    if (v < 0 || uint64_t(v) >= num_slots)
-      throw py::value_error(job + "slot " + py::str(o).cast<std::string>() + " outside the arena (0.." +
-                            std::to_string(num_slots - 1) + ")");
+    const int64_t v = slot_of(items[i], job);
+    if (v < 0 || uint64_t(v) >= num_slots) slot_outside(job, py::str(items[i]).cast<std::string>(), num_slots);
     out[i] = v;
   }
+}
+
+bool is_text_or_bytes(PyObject* o) {
+  return PyUnicode_Check(o) || PyBytes_Check(o) || PyByteArray_Check(o) || PyMemoryView_Check(o);
+}
+
+// The checks of a DiskTier job (see check_job's docstring). Raises with the job's id.
+py::tuple check_job(py::handle job_obj, uint64_t num_slots, bool unique_slots, py::handle digests,
+                    py::handle in_flight) {
+  py::object id_obj = job_obj.attr("job_id");
+  const int64_t job_id = job_id_of(id_obj);
+  const std::string job = "job " + std::to_string(job_id) + ": ";
+  if (!in_flight.is_none()) {
+    py::int_ key(job_id);
+    const int found = PySet_Contains(in_flight.ptr(), key.ptr());
+    if (found < 0) throw py::error_already_set();
+    if (found)
+      throw py::value_error("job_id " + std::to_string(job_id) +
+                            " is already in flight (or its result not yet reported by get_finished_jobs())");
+  }
+  py::object keys_obj = job_obj.attr("keys");
+  py::object slots = job_obj.attr("slot_ids");
+  if (is_text_or_bytes(keys_obj.ptr()))
+    throw py::type_error(job + "keys must be a sequence of keys (bytes), not one " + type_name(keys_obj) +
+                         ": wrap a single key in a list");
+  if (is_text_or_bytes(slots.ptr()))
+    throw py::type_error(job + "slot_ids must be a sequence of ints, not one " + type_name(slots));
+  PyObject* klist = PySequence_List(keys_obj.ptr());
+  if (klist == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(job + "keys must be a sequence of keys (bytes), not " + type_name(keys_obj));
+  }
+  py::list keys = py::reinterpret_steal<py::list>(klist);
+  const size_t n = size_t(PyList_GET_SIZE(klist));
+  std::string slot_buf(n * sizeof(int64_t), '\0');
+  auto* out = reinterpret_cast<int64_t*>(slot_buf.data());
+  read_slots(slots, n, num_slots, job, out);
   if (unique_slots && n > 1) {
     std::vector<int64_t> sorted(out, out + n);
     std::sort(sorted.begin(), sorted.end());
@@ -185,13 +260,13 @@ py::tuple check_job(py::handle job_id_obj, py::list keys, py::handle slots, uint
   auto* dst = reinterpret_cast<uint8_t*>(digest_buf.data());
   const bool given = !digests.is_none();
   for (size_t i = 0; i < n; ++i) {  // keys as bytes (another buffer copied: bytes(key))
-    PyObject* k = PyList_GET_ITEM(keys.ptr(), Py_ssize_t(i));
+    PyObject* k = PyList_GET_ITEM(klist, Py_ssize_t(i));
     if (!PyBytes_CheckExact(k)) {
       if (PyUnicode_Check(k) || !PyObject_CheckBuffer(k))
-        throw py::type_error("key must be bytes, not " + type_name(k));
+        throw py::type_error(job + "key must be bytes, not " + type_name(k));
       PyObject* b = PyBytes_FromObject(k);
       if (b == nullptr) throw py::error_already_set();
-      PyList_SetItem(keys.ptr(), Py_ssize_t(i), b);  // (steals b, releases the old item)
+      PyList_SetItem(klist, Py_ssize_t(i), b);  // (steals b, releases the old item)
       k = b;
     }
     if (!given) detail::key_digest(PyBytes_AS_STRING(k), size_t(PyBytes_GET_SIZE(k)), dst + i * kDigestBytes);
@@ -212,22 +287,24 @@ py::tuple check_job(py::handle job_id_obj, py::list keys, py::handle slots, uint
       std::memcpy(dst + i * kDigestBytes, PyBytes_AS_STRING(ds[i]), kDigestBytes);
     }
   }
-  return py::make_tuple(py::bytes(digest_buf), py::bytes(slot_buf));
+  return py::make_tuple(keys, py::bytes(digest_buf), py::bytes(slot_buf));
 }
 
 }  // namespace
 
 void register_block_index(py::module_& m) {
-  m.def("check_job", &check_job, py::arg("job_id"), py::arg("keys"), py::arg("slots"), py::arg("num_slots"),
-        py::arg("unique_slots"), py::arg("digests") = py::none(), R"doc(
-The per-key checks of a DiskTier job, in one call: ``job_id`` (an integer in [0, 2**63); ValueError
-"job_id <id> must be in [0, 2**63)" else), ``keys`` (a list, changed in place: a key that is another
-buffer than bytes (bytearray, memoryview, numpy array, strided or not) becomes bytes(key); TypeError
-"key must be bytes, not <type>" for str or a non-buffer), ``slots`` (a
-sequence of integers, one per key, each in [0, num_slots); with unique_slots no slot twice) and the
-keys' digests (``digests``: one 16-byte key_digest per key where the caller has them, else computed
-here). Returns (digests: bytes of 16 per key, slots: bytes of one native int64 per key). TypeError /
-ValueError naming the job ("job <id>: ...") and the slot; nothing is changed but ``keys`` then.)doc");
+  m.def("check_job", &check_job, py::arg("job"), py::arg("num_slots"), py::arg("unique_slots"),
+        py::arg("digests") = py::none(), py::arg("in_flight") = py::none(), R"doc(
+The checks of a DiskTier job, in one call. ``job``: an object with ``job_id`` (an integer in
+[0, 2**63); ValueError "job_id <id> must be in [0, 2**63)" else; ValueError "... already in flight"
+when it is in the set ``in_flight``), ``keys`` (a sequence of keys: bytes, or another buffer than
+str (bytearray, memoryview, numpy array, strided or not), taken as bytes(key); TypeError "key must be
+bytes, not <type>" for str or a non-buffer, and for a single bytes/str given as keys) and
+``slot_ids`` (a sequence of integers or a one-dimensional numpy integer array, one per key, each in
+[0, num_slots); with unique_slots no slot twice). ``digests``: one 16-byte key_digest per key where
+the caller has them, else computed here (BLAKE2b, once per key). Returns (keys: a new list of bytes,
+digests: bytes of 16 per key, slots: bytes of one native int64 per key). TypeError / ValueError
+naming the job ("job <id>: ...") and the slot; nothing is changed then.)doc");
   py::class_<PyBlockIndex>(m, "BlockIndex", R"doc(
 The block index of one tier root (include/pykvtier/block_index.hpp): each key digest's state
 (BlockState: 0 absent, 1 present, 2 writing, 3 removing, 4 failed: a tombstone, MISS until stored
