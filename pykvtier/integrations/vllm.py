@@ -552,25 +552,27 @@ class PyKVTier(SecondaryTierManager):
         part that cannot be submitted fails its keys, reported by get_finished_jobs()."""
         keys = list(job.keys)
         chunk_ids = job.chunk_ids
-        rows = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else [int(c) for c in chunk_ids]
-        if len(rows) != len(keys):
+        if len(chunk_ids) != len(keys):
             logger.error("pykvtier: job %d has %d keys but %d chunk_ids; failed", job.job_id,
-                         len(keys), len(rows))
+                         len(keys), len(chunk_ids))
             self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
             return
         if not keys:
             self._ready.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
             return
-        if self._single is not None:  # (its DiskTier refuses a load giving a slot twice)
-            parts = {0: (keys, rows, None)}
-        elif is_load and len(set(rows)) != len(rows):  # a row per key across the shards too
-            twice = next(r for r, n in Counter(rows).items() if n > 1)
-            logger.error("pykvtier: load job %d (%d keys) not submitted: chunk %d given twice; a "
-                         "load needs a chunk per key", job.job_id, len(keys), twice)
-            self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
-            return
-        else:  # each key's digest once: its shard, then the tier's index and file name
-            parts = {}
+        if self._single is not None:  # (its DiskTier refuses a load giving a slot twice; it
+            parts = {0: (keys, chunk_ids, None)}  # reads a numpy array of chunk ids in place)
+        else:
+            rows = (chunk_ids.tolist() if hasattr(chunk_ids, "tolist")
+                    else [int(c) for c in chunk_ids])
+            if is_load and len(set(rows)) != len(rows):  # a row per key across the shards too
+                twice = next(r for r, n in Counter(rows).items() if n > 1)
+                logger.error("pykvtier: load job %d (%d keys) not submitted: chunk %d given twice;"
+                             " a load needs a chunk per key", job.job_id, len(keys), twice)
+                self._ready.append(JobResult(job.job_id, False, transfer_time=0.0,
+                                             transfer_bytes=0))
+                return
+            parts = {}  # each key's digest once: its shard, then the tier's index and file name
             for k, r in zip(keys, rows):
                 d = key_digest(k)
                 ks, rs, ds = parts.setdefault(self._shard(d), ([], [], []))
