@@ -26,6 +26,7 @@ __all__ = ["VERIFY_MODES", "DiskTierConfig", "options_table"]
 VERIFY_MODES = ("payload", "header")
 MAX_BLOCK_BYTES = 1 << 30  # the engines' per-request limit (kMaxRequestBytes)
 MAX_INFLIGHT_BYTES = 1 << 48  # a bound the engines' uint64 byte budgets never overflow at
+MAX_SPACE_BYTES = 1 << 62  # capacity_bytes, min_free_bytes: block counts stay C integers
 ENGINES = ("auto", "uring", "posix")
 
 
@@ -120,6 +121,9 @@ class DiskTierConfig:
             v = getattr(self, name)
             if v is not None:
                 set_(name, as_int(v, name))
+                if getattr(self, name) > MAX_SPACE_BYTES:
+                    raise ValueError(f"{name} must be at most 2**62 bytes (4 EiB), got "
+                                     f"{getattr(self, name)}")
         if self.min_free_bytes is not None and self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes must be >= 0, got {self.min_free_bytes}")
         set_("queue_depth", as_int(self.queue_depth, "queue_depth"))

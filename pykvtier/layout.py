@@ -28,6 +28,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -63,6 +64,8 @@ logger = logging.getLogger("pykvtier")
 HEADER_BYTES: int = _native.HEADER_BYTES
 BLOCK_SUFFIX = ".kvb"
 TMP_MARK = ".tmp."
+_BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb")  # a block file's name (Layout.block_path)
+_PID_MAX = (1 << 22)  # Linux's PID_MAX_LIMIT: a larger number in a temporary's name is no pid
 ROOT_MARKER = "pykvtier-root.json"
 ROOT_FORMAT = 1
 LOCK_NAME = ".pykvtier.lock"
@@ -472,12 +475,9 @@ class Layout:
     @staticmethod
     def digest_from_name(name: str) -> bytes | None:
         """The digest a final block file name stands for, or None if it is not one."""
-        if not name.endswith(BLOCK_SUFFIX) or len(name) != 32 + len(BLOCK_SUFFIX):
+        if _BLOCK_NAME.fullmatch(name) is None:  # 32 lower-case hex digits, as block_path
             return None
-        try:
-            return bytes.fromhex(name[:32])
-        except ValueError:
-            return None
+        return bytes.fromhex(name[:32])
 
     @staticmethod
     def tmp_owner(name: str) -> int | None:
@@ -486,9 +486,10 @@ class Layout:
         if i < 0:
             return None
         try:
-            return int(name[i + len(BLOCK_SUFFIX) + len(TMP_MARK):].split(".")[0])
+            pid = int(name[i + len(BLOCK_SUFFIX) + len(TMP_MARK):].split(".")[0])
         except ValueError:
             return -1
+        return pid if pid <= _PID_MAX else -1  # (beyond any pid: no process's)
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ import errno
 import functools
 import logging
 import math
+import operator
 import os
 import stat
 import time
@@ -27,6 +28,7 @@ from .buffers import Arena, as_arena
 from .config import DiskTierConfig
 from .engines import Op, make_host_engine
 from .layout import (
+    BLOCK_SUFFIX,
     HEADER_BYTES,
     Layout,
     Quarantine,
@@ -126,7 +128,7 @@ class _Pending:
     transfer_s: float = 0.0  # summed over its engine jobs
     submits: int = 0
     moved_bytes: int = 0
-    claimed: bytes = b""  # a load's slots (all the job's), claimed until it settles
+    claimed: bytes = b""  # the job's slots (all of them), claimed until it is reported
 
 
 _CORRUPT = frozenset(int(v) for v in _native.BlockError.__members__.values())  # failed checks
@@ -454,7 +456,8 @@ class DiskTier:
             os.close(bfd)
         if self._stats["malformed_block_files"]:
             logger.warning("pykvtier: %d entries under %s at block names are not %d-byte block "
-                           "files (truncated, or not regular files); moved to %s",
+                           "files in their fan-out directory (truncated, not regular files, "
+                           "misnamed or misplaced); moved to %s",
                            self._stats["malformed_block_files"], self.layout.blocks_dir,
                            self.file_bytes, self.layout.quarantine_dir)
         found.sort()
@@ -471,6 +474,13 @@ class DiskTier:
             entries = list(it)
         for de in entries:
             digest = Layout.digest_from_name(de.name)
+            if (digest is None and de.name.endswith(BLOCK_SUFFIX)) or (
+                    digest is not None and de.name[:2] != sub):
+                # A name no block of this tier has (upper-case hex, spaces...) or a block
+                # outside its fan-out: never loaded (lookups would miss it or count it twice).
+                self._stats["malformed_block_files"] += 1
+                self._quarantine_entry(dfd, sub, de.name)
+                continue
             if digest is not None:
                 try:
                     st = de.stat(follow_symlinks=False) if de.is_file(
@@ -748,7 +758,7 @@ class DiskTier:
         keys into one slot (their reads would race, and each block's checksum is verified over
         the bytes in its slot)."""
         keys, digests, slots = self._check_job(job, digests, unique_slots=True)
-        self._claims.claim(job.job_id, slots)  # ValueError: a slot another load is filling
+        self._claims.claim(job.job_id, slots, True)  # ValueError: a slot another job uses
         codes = self._bindex.admit_loads(digests)  # None: every key admitted
         pend = _Pending(job, True, keys, keys, digests, slots, {}, claimed=slots)
         if codes is not None:
@@ -772,6 +782,7 @@ class DiskTier:
         key). A key that meets a full file system (ENOSPC, EDQUOT) evicts as many blocks and is
         written once more before the job is reported. ``digests``: as for :meth:`submit_load`."""
         keys, digests, slots = self._check_job(job, digests, unique_slots=False)
+        self._claims.claim(job.job_id, slots, False)  # ValueError: a slot a load is filling
         fb = self.file_bytes
         room = self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
         if self.capacity_bytes is not None:
@@ -783,7 +794,7 @@ class DiskTier:
         self._used_bytes += n_new * fb
         self._fs_free -= n_new * fb
         self._writing += n_new
-        pend = _Pending(job, False, keys, keys, digests, slots, {})
+        pend = _Pending(job, False, keys, keys, digests, slots, {}, claimed=slots)
         if codes is not None:
             self._admit_stores_slowly(pend, keys, slots, digests, codes)
         if self._probe_misses:
@@ -799,6 +810,12 @@ class DiskTier:
         file). Sets the pending job's entries."""
         done, index = pend.done, self._bindex
         pend.keys, slot_parts, parts = [], [], []
+        # The job's blocks already present count as stored: none is evicted to make room for
+        # its new ones (moved to most recently used, and kept out of the victims).
+        keep = [digests[16 * i:16 * i + 16] for i, c in enumerate(codes) if c == _ADMIT_PRESENT
+                or (c == _ADMIT_NEEDS_ROOM and index.state(digests[16 * i:16 * i + 16]) == _PRESENT)]
+        if keep:
+            index.touch(b"".join(keep))
         for i, c in enumerate(codes):
             key, digest = keys[i], digests[16 * i:16 * i + 16]
             if c == _ADMIT_NEEDS_ROOM:
@@ -816,7 +833,7 @@ class DiskTier:
                 if digest in self._leftover_digests:
                     done[key] = "an earlier file of this block could not be removed yet"
                     continue
-                room = self._reserve(recycle=True)
+                room = self._reserve(recycle=True, keep=keep)
                 if room is False:
                     self._refuse_store(done, key)
                     continue
@@ -850,10 +867,8 @@ class DiskTier:
         return eid
 
     def _dispatch(self, pend: _Pending, op: Any) -> None:
-        job_id = pend.job.job_id
+        job_id = operator.index(pend.job.job_id)  # (an int: as JobResult reports it)
         if not pend.digests:
-            if pend.claimed:
-                self._claims.release(pend.claimed)
             self._ready.append(self._result(pend))
             self._job_ids.add(job_id)
             return
@@ -875,16 +890,17 @@ class DiskTier:
         pend.victims.clear()
         if pend.is_load:
             self._used_bytes -= self._bindex.finish_loads(pend.digests) * fb
-            self._claims.release(pend.claimed)
-            return
-        for d in _split(pend.digests):
-            self._forget_writing(d)
+        else:
+            for d in _split(pend.digests):
+                self._forget_writing(d)
+        self._claims.release(pend.claimed, pend.is_load)
 
-    def _reserve(self, recycle: bool = False) -> bool | bytes:
+    def _reserve(self, recycle: bool = False, keep: Iterable[bytes] = ()) -> bool | bytes:
         """Makes room for one block file: True (room), False (no room: capacity or the file
         system's free space above ``min_free_bytes`` exhausted by blocks in use), or, with
         ``recycle`` where the tier recycles, the digest of the evicted block whose file the new
-        block takes over (its bytes stay counted; it needs no new space)."""
+        block takes over (its bytes stay counted; it needs no new space). Blocks in ``keep``
+        (digests) are not evicted for it."""
         fb = self.file_bytes
         cap_need = -1 if self.capacity_bytes is None else (
             self._used_bytes + fb - self.capacity_bytes)
@@ -895,13 +911,13 @@ class DiskTier:
             return True
         victim: bytes | None = None
         if recycle and self.recycle and self.device_path is None:
-            for victim in self._take_victims(1):
+            for victim in self._take_victims(1, keep):
                 self._stats["evictions_recycled"] += 1
                 cap_need -= fb
                 free_need -= fb
         need = max(cap_need, free_need)
         if need > 0:
-            self._evict(need)
+            self._evict(need, keep)
         if victim is not None:
             return victim  # REMOVING until the store that reuses its file finished
         if ((self.capacity_bytes is None or self._used_bytes + fb <= self.capacity_bytes)
@@ -1032,7 +1048,6 @@ class DiskTier:
         no_space: list[tuple[int, int]] = []  # (index in pend.keys, result)
         if pend.is_load:
             self._used_bytes -= self._bindex.finish_loads(pend.digests) * self.file_bytes
-            self._claims.release(pend.claimed)
             st["blocks_loaded"] += len(results) if all_ok else sum(r >= 0 for r in results)
             st["bytes_loaded"] += moved
             if not all_ok:
@@ -1141,13 +1156,15 @@ class DiskTier:
         self._pending[eid] = pend
 
     def _result(self, pend: _Pending) -> JobResult:
+        """The caller's result of a job done with (its slots released)."""
+        self._claims.release(pend.claimed, pend.is_load)
         keys = pend.job_keys
         done = pend.done
         failed = {k: done[k] for k in keys if done.get(k) is not None} if done else {}
         ok_keys = [k for k in keys if k not in failed]
         success = not failed
         return JobResult(
-            job_id=pend.job.job_id,
+            job_id=operator.index(pend.job.job_id),
             success=success,
             successful_keys=None if success or not ok_keys else ok_keys,
             transfer_time=pend.transfer_s,

@@ -308,7 +308,7 @@ def test_a_file_system_filled_by_others_evicts_and_retries(small_fs, make_tier, 
     with caplog.at_level(logging.WARNING, logger="pykvtier"):
         tier = make_tier(os.path.join(small_fs, "tier"), engine=engine, min_free_bytes=0,
                          queue_depth=1)
-        a = fill(arena(4, BS), 4)
+        a = fill(arena(8, BS), 8)
         tier.set_arena(a)
         old = [b"old-%d" % i for i in range(4)]
         assert run(tier, 1, old, range(4)).success is True
@@ -333,7 +333,7 @@ def test_a_file_system_filled_by_others_evicts_and_retries(small_fs, make_tier, 
         # Every block being read: nothing to evict, stores are refused without I/O.
         tier.submit_load(TransferJob(4, more, [0, 1, 2, 3]))
         refused = [b"refused-%d" % i for i in range(4)]
-        tier.submit_store(TransferJob(5, refused, [0, 1, 2, 3]))
+        tier.submit_store(TransferJob(5, refused, [4, 5, 6, 7]))  # (not slots a load fills)
         tier.drain()
         done = {r.job_id: r for r in tier.get_finished_jobs()}
         assert done[4].success is True

@@ -46,6 +46,7 @@ struct HeldBuffer {
   HeldBuffer(PyObject* o, int flags) {
     if (PyObject_GetBuffer(o, &view, flags) != 0) throw py::error_already_set();
   }
+  explicit HeldBuffer(Py_buffer&& got) : view(got) {}  // (one PyObject_GetBuffer filled)
   ~HeldBuffer() { PyBuffer_Release(&view); }
   HeldBuffer(const HeldBuffer&) = delete;
   HeldBuffer& operator=(const HeldBuffer&) = delete;
@@ -132,6 +133,19 @@ int64_t job_id_of(py::handle h) {
   return v;
 }
 
+// Whether o is a bool of an array library (a torch bool tensor's item, numpy.bool_), which an index()
+// would take as 0 or 1.
+bool is_bool_scalar(PyObject* o) {
+  PyObject* dt = PyObject_GetAttrString(o, "dtype");
+  if (dt == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  py::object hold = py::reinterpret_steal<py::object>(dt);
+  const std::string name = py::str(hold);
+  return name == "bool" || name == "torch.bool";
+}
+
 // One slot id as an int64 (-1 for a value beyond int64: outside the arena either way); TypeError naming
 // the job for a non-integer or a bool.
 int64_t slot_of(PyObject* o, const std::string& job) {
@@ -139,7 +153,7 @@ int64_t slot_of(PyObject* o, const std::string& job) {
   if (PyLong_CheckExact(o)) {
     v = PyLong_AsLongLong(o);
   } else {
-    if (PyBool_Check(o)) throw py::type_error(job + "slot id must be an integer, not bool");
+    if (PyBool_Check(o) || is_bool_scalar(o)) throw py::type_error(job + "slot id must be an integer, not bool");
     PyObject* idx = PyNumber_Index(o);
     if (idx == nullptr) {
       PyErr_Clear();
@@ -164,8 +178,14 @@ int64_t slot_of(PyObject* o, const std::string& job) {
 // sequence item by item.
 void read_slots(py::handle slots, size_t n, uint64_t num_slots, const std::string& job, int64_t* out) {
   PyObject* so = slots.ptr();
+  Py_buffer view{};
+  bool got = false;
   if (PyObject_CheckBuffer(so)) {
-    HeldBuffer b(so, PyBUF_RECORDS_RO);
+    got = PyObject_GetBuffer(so, &view, PyBUF_RECORDS_RO) == 0;
+    if (!got) PyErr_Clear();  // (e.g. a numpy datetime64 array: read item by item below, refused there)
+  }
+  if (got) {
+    HeldBuffer b(std::move(view));
     const char* f = b.view.format ? b.view.format : "B";
     if (*f == '@' || *f == '=' || *f == '<') ++f;
     const bool integral = f[0] != '\0' && f[1] == '\0' && std::strchr("bBhHiIlLqQnN", f[0]) != nullptr;

@@ -42,15 +42,17 @@ py::list as_entries(Op op, const std::vector<Request>& reqs) {
   return out;
 }
 
-// Slots with a load in flight: one byte each (claim/release, under the GIL).
+// Slots jobs in flight use: per slot 0 (free), kLoading (a load writes it) or the count of store
+// entries reading it (claim/release, under the GIL).
 class SlotClaims {
  public:
-  explicit SlotClaims(uint64_t num_slots) : busy_(num_slots, 0) {
+  explicit SlotClaims(uint64_t num_slots) : use_(num_slots, 0) {
     if (num_slots == 0) throw py::value_error("num_slots is 0");
   }
   // Claims every slot of slots (n native int64, each in [0, num_slots): the caller's check) for
-  // job_id, or none: ValueError naming the first slot another job holds.
-  void claim(uint64_t job_id, py::handle slots) {
+  // job_id, or none: a load's alone (ValueError naming the first slot another job uses), a store's
+  // beside other stores' (ValueError naming the first slot a load writes).
+  void claim(uint64_t job_id, py::handle slots, bool load) {
     HeldBuffer b(slots, "slots");
     const size_t n = b.nbytes() / 8;
     const uint8_t* p = b.data();
@@ -58,47 +60,67 @@ class SlotClaims {
     try {
       for (; i < n; ++i) {
         const uint64_t s = slot_at(p, i);
-        if (busy_[s])
+        uint32_t& u = use_[s];
+        if (u == kLoading)
           throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
-                                " is being loaded by another job (two reads into one slot would race)");
-        busy_[s] = 1;
+                                " is being loaded by another job (" +
+                                (load ? "two reads into one slot would race)"
+                                      : "a store from it would write what that load leaves there)"));
+        if (load && u != 0)
+          throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
+                                " is being read by a store in flight (the load would overwrite what it stores)");
+        u = load ? kLoading : u + 1;
       }
     } catch (...) {
-      for (size_t k = 0; k < i; ++k) busy_[slot_at(p, k)] = 0;  // none claimed
+      release_first(p, i, load);  // none claimed
       throw;
     }
   }
-  void release(py::handle slots) {
+  // Releases what claim(job_id, slots, load) claimed.
+  void release(py::handle slots, bool load) {
     HeldBuffer b(slots, "slots");
-    for (size_t i = 0, n = b.nbytes() / 8; i < n; ++i) busy_[slot_at(b.data(), i)] = 0;
+    release_first(b.data(), b.nbytes() / 8, load);
   }
-  size_t claimed() const { return size_t(std::count(busy_.begin(), busy_.end(), uint8_t(1))); }
+  // Slots in use (by a load or by stores).
+  size_t claimed() const { return use_.size() - size_t(std::count(use_.begin(), use_.end(), 0u)); }
 
  private:
+  static constexpr uint32_t kLoading = UINT32_MAX;
+  void release_first(const uint8_t* p, size_t n, bool load) {
+    for (size_t k = 0; k < n; ++k) {
+      uint32_t& u = use_[slot_at(p, k)];
+      if (load)
+        u = 0;
+      else if (u != 0 && u != kLoading)
+        --u;
+    }
+  }
   uint64_t slot_at(const uint8_t* p, size_t i) const {
     int64_t s;
     std::memcpy(&s, p + 8 * i, 8);
-    if (s < 0 || uint64_t(s) >= busy_.size())
-      throw py::value_error("slot " + std::to_string(s) + " is outside [0, " + std::to_string(busy_.size()) + ")");
+    if (s < 0 || uint64_t(s) >= use_.size())
+      throw py::value_error("slot " + std::to_string(s) + " is outside [0, " + std::to_string(use_.size()) + ")");
     return uint64_t(s);
   }
-  std::vector<uint8_t> busy_;
+  std::vector<uint32_t> use_;
 };
 
 }  // namespace
 
 void register_block_space(py::module_& m) {
   py::class_<SlotClaims>(m, "SlotClaims", R"doc(
-The arena slots that loads in flight write: SlotClaims(num_slots). claim(job_id, slots) claims
-every slot of slots (a buffer of native int64: bytes, array('q'), numpy int64) or, when one is
-claimed already, none (ValueError naming the job and the slot: two reads racing into one slot
-would each fail verification over the other's bytes); release(slots) frees them; claimed() counts
-the claimed slots. A slot outside [0, num_slots) is a ValueError. Not thread-safe (the tier's
-thread).
+The arena slots jobs in flight use: SlotClaims(num_slots). claim(job_id, slots, load) claims every
+slot of slots (a buffer of native int64: bytes, array('q'), numpy int64) or none: a load's slots
+for it alone (ValueError naming the job and the slot when another load writes it: two reads racing
+into one slot would each fail verification over the other's bytes; or a store reads it: the store
+would write the loaded bytes under its own key), a store's beside other stores' (ValueError when a
+load writes one). release(slots, load) frees what claim took; claimed() counts the slots in use. A
+slot outside [0, num_slots) is a ValueError. Not thread-safe (the tier's thread; an adapter over
+several tiers may share one).
 )doc")
       .def(py::init<uint64_t>(), py::arg("num_slots"))
-      .def("claim", &SlotClaims::claim, py::arg("job_id"), py::arg("slots"))
-      .def("release", &SlotClaims::release, py::arg("slots"))
+      .def("claim", &SlotClaims::claim, py::arg("job_id"), py::arg("slots"), py::arg("load"))
+      .def("release", &SlotClaims::release, py::arg("slots"), py::arg("load"))
       .def("claimed", &SlotClaims::claimed);
 
   m.def("tmp_sequence", &next_tmp_sequence,
