@@ -347,7 +347,7 @@ def test_bad_config_is_a_clear_error(root, bad, match):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"engine": "io_uring"}, r"^PyKVTier: unknown engine 'io_uring': expected 'auto', 'uring' or 'posix'$"),
+    ({"engine": "io-uring"}, r"^PyKVTier: unknown engine 'io-uring': expected 'auto', 'uring' or 'posix'$"),
     ({"queue_depth": 10000}, r"^PyKVTier: queue_depth must be in 1\.\.4096, got 10000$"),
     ({"capacity_bytes": 1}, r"^PyKVTier \(capacity_bytes=1 split over 2 roots\): capacity_bytes=0 cannot hold one"),
 ])
@@ -951,6 +951,7 @@ def test_kv_events_for_stores_evictions_and_failed_loads(root, make_tier):
     (ev,) = list(tier.take_events())
     assert ev.removed is False and ev.medium is Medium.STORAGE and ev.locality.value == "LOCAL"
     assert ev.keys == keys[:3]
+    tier.touch([keys[2]], ReqContext("r"))  # LRU order k0, k1, k2 (job 2 made k0, k1 recent)
     run(tier, job(3, keys[3:5], [3, 4], False))  # evicts k0, k1 (LRU)
     evs = list(tier.take_events())
     assert [(e.removed, sorted(e.keys)) for e in evs] == [

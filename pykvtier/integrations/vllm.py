@@ -42,6 +42,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -62,7 +63,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from .. import __version__
+from .. import __version__, _native
 from ..config import DiskTierConfig, check_verify
 from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
 from ..tier import DiskTier
@@ -184,10 +185,17 @@ class _Job:
     job_id: int
     is_load: bool
     parts: dict[int, list[bytes]]  # shard -> its keys (only kept when there are several)
+    claimed: bytes = b""  # its chunk rows (int64) in PyKVTier._claims (several roots only)
+    refused: int = 0  # later jobs with its id, refused: reported failed right after it
     success: bool = True
     ok_keys: list[bytes] = field(default_factory=list)
     transfer_time: float = 0.0
     transfer_bytes: int = 0
+
+
+def _failed(job_id: int) -> JobResult:
+    """The result of a job refused before any I/O."""
+    return JobResult(job_id, False, transfer_time=0.0, transfer_bytes=0)
 
 
 def _check_flag(key: str, v: Any) -> bool:
@@ -355,13 +363,25 @@ def _locked(root: str, ns: str, shared: bool, exc: RootLockedError) -> ValueErro
 
 def _roots(root_dir: Any) -> list[str]:
     if isinstance(root_dir, (str, os.PathLike)):
-        roots = [os.fspath(root_dir)]
+        given = [root_dir]
     elif isinstance(root_dir, (list, tuple)) and root_dir:
-        roots = [os.fspath(r) for r in root_dir]
+        given = list(root_dir)
     else:
         raise ValueError(
             f"PyKVTier: root_dir must be a path or a non-empty list of paths (one per drive), "
             f"got {root_dir!r}")
+    roots = []
+    for r in given:
+        p = os.fspath(r) if isinstance(r, (str, os.PathLike)) else r
+        if not isinstance(p, str):
+            raise TypeError(f"PyKVTier: root_dir entries must be paths (str or os.PathLike "
+                            f"giving a str), got {type(r).__name__} {r!r}")
+        if not p:
+            raise ValueError(f"PyKVTier: root_dir {root_dir!r} names an empty path (it would "
+                             "mean the current directory)")
+        if "\0" in p:
+            raise ValueError(f"PyKVTier: root_dir entry {p!r} contains a NUL byte (no path can)")
+        roots.append(p)
     seen = set()
     for r in roots:
         a = os.path.realpath(r)
@@ -383,6 +403,25 @@ class PyKVTier(SecondaryTierManager):
     Each root's directory for this model is locked while the tier runs (exclusively unless
     ``shared``): a second instance on it fails at start-up with a ValueError naming the root
     and the holder's pid.
+
+    Jobs: every submitted job is reported once by :meth:`get_finished_jobs`, also after
+    :meth:`shutdown` (which finishes the jobs in flight). A job the tier refuses (logged) is
+    reported failed, having touched no chunk row and no block:
+
+    - With several roots, the chunk rows of the jobs in flight are claimed across the shards,
+      as one root's DiskTier claims its slots: a load into a row another load fills or a store
+      in flight reads, and a store from a row a load fills, are refused (the two would race in
+      the row: wrong bytes reported loaded, or intact blocks quarantined). The rows are claimed
+      at submit and released when the job is reported.
+    - A job whose id is still held (submitted, its result not yet returned by
+      get_finished_jobs) is refused before any root sees it. vLLM's manager never does this
+      (its ids come from a counter), and it keeps one entry per id, popped by the first result
+      with that id (a later result with it fails its assertion). So the refusal never comes
+      first: the first job's own result is reported as if there had been no reuse, and the
+      refused job's failure right after it, in the same call. A caller that matches results
+      to its jobs by id, in submission order, gets the first job's outcome intact (a failure
+      reported first would be taken for the first job's, failing keys it moved and dropping
+      its real result).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -420,8 +459,12 @@ class PyKVTier(SecondaryTierManager):
         self._single_code = self._single.lookup_code if self._single is not None else None
         self.engine_name = self._tiers[0].engine_name
         self.direct = all(t.direct for t in self._tiers)
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, _Job] = {}  # submitted to a DiskTier, not reported yet
         self._ready: list[JobResult] = []
+        self._ready_ids: set[int] = set()  # the job ids in _ready
+        # Several roots: the chunk rows jobs in flight use, over every shard (one DiskTier
+        # claims its own slots; the shards do not see each other's).
+        self._claims = (_native.SlotClaims(self.num_chunks) if self._single is None else None)
         # figures for get_stats(): last DiskTier.stats() per root, times and job durations since
         self._last_stats: list[dict[str, int]] = [{} for _ in self._tiers]
         self._times = [[0.0, 0.0] for _ in self._tiers]  # per root: [read s, write s]
@@ -550,27 +593,32 @@ class PyKVTier(SecondaryTierManager):
     def _submit(self, job: TransferJob, is_load: bool) -> None:
         """Hands the job to its shard(s); never raises for a job vLLM already registered: a
         part that cannot be submitted fails its keys, reported by get_finished_jobs()."""
+        job_id = job.job_id
+        if job_id in self._jobs or job_id in self._ready_ids:
+            self._refuse_reused_id(job, is_load)
+            return
         keys = list(job.keys)
         chunk_ids = job.chunk_ids
         if len(chunk_ids) != len(keys):
-            logger.error("pykvtier: job %d has %d keys but %d chunk_ids; failed", job.job_id,
+            logger.error("pykvtier: job %d has %d keys but %d chunk_ids; failed", job_id,
                          len(keys), len(chunk_ids))
-            self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
+            self._report(_failed(job_id))
             return
         if not keys:
-            self._ready.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
+            self._report(JobResult(job_id, True, transfer_time=0.0, transfer_bytes=0))
             return
-        if self._single is not None:  # (its DiskTier refuses a load giving a slot twice; it
-            parts = {0: (keys, chunk_ids, None)}  # reads a numpy array of chunk ids in place)
+        claimed = b""
+        if self._single is not None:  # its DiskTier refuses a load giving a slot twice, claims
+            # the slots, and reads a numpy array of chunk ids in place
+            parts = {0: (keys, chunk_ids, None)}
         else:
             rows = (chunk_ids.tolist() if hasattr(chunk_ids, "tolist")
                     else [int(c) for c in chunk_ids])
             if is_load and len(set(rows)) != len(rows):  # a row per key across the shards too
                 twice = next(r for r, n in Counter(rows).items() if n > 1)
                 logger.error("pykvtier: load job %d (%d keys) not submitted: chunk %d given twice;"
-                             " a load needs a chunk per key", job.job_id, len(keys), twice)
-                self._ready.append(JobResult(job.job_id, False, transfer_time=0.0,
-                                             transfer_bytes=0))
+                             " a load needs a chunk per key", job_id, len(keys), twice)
+                self._report(_failed(job_id))
                 return
             parts = {}  # each key's digest once: its shard, then the tier's index and file name
             for k, r in zip(keys, rows):
@@ -579,39 +627,73 @@ class PyKVTier(SecondaryTierManager):
                 ks.append(k)
                 rs.append(r)
                 ds.append(d)
-        state = _Job(job.job_id, is_load, {})
+            try:  # the rows, across the shards: refused when another job in flight races in one
+                claimed = (chunk_ids.astype(np.int64).tobytes()
+                           if isinstance(chunk_ids, np.ndarray) and chunk_ids.dtype.kind in "iu"
+                           else np.asarray(rows, np.int64).tobytes())
+                self._claims.claim(job_id, claimed, is_load)
+            except (ValueError, TypeError, OverflowError) as exc:
+                logger.error("pykvtier: %s job %d (%d keys) not submitted: %s",
+                             "load" if is_load else "store", job_id, len(keys), exc)
+                self._report(_failed(job_id))
+                return
+        state = _Job(job_id, is_load, {}, claimed)
         submit = DiskTier.submit_load if is_load else DiskTier.submit_store
         for i, (ks, rs, ds) in parts.items():
             try:
-                submit(self._tiers[i], TierTransferJob(job.job_id, ks, rs), ds)
+                submit(self._tiers[i], TierTransferJob(job_id, ks, rs), ds)
             except Exception as exc:  # noqa: BLE001 - reported as the keys' failure
                 logger.error("pykvtier: %s job %d (%d keys) not submitted to %s: %s",
-                             "load" if is_load else "store", job.job_id, len(ks),
+                             "load" if is_load else "store", job_id, len(ks),
                              self._tiers[i].layout.root, exc)
                 state.success = False
                 continue
             state.parts[i] = ks
         if state.parts:
-            self._jobs[job.job_id] = state
+            self._jobs[job_id] = state  # its rows stay claimed until it is reported
         else:
-            self._ready.append(JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
+            if claimed:
+                self._claims.release(claimed, is_load)
+            self._report(_failed(job_id))
+
+    def _refuse_reused_id(self, job: TransferJob, is_load: bool) -> None:
+        """A job whose id is held by a job not reported yet: refused, reported failed right
+        after that job (see the class docstring)."""
+        logger.error("pykvtier: %s job %d (%d keys) not submitted: job id %d is in use by a job "
+                     "not reported yet; reported failed after it", "load" if is_load else "store",
+                     job.job_id, len(job.keys), job.job_id)
+        first = self._jobs.get(job.job_id)
+        if first is not None:
+            first.refused += 1
+        else:  # the first's result waits in _ready: this one after it
+            self._report(_failed(job.job_id))
+
+    def _report(self, result: JobResult) -> None:
+        """A result for the next get_finished_jobs()."""
+        self._ready.append(result)
+        self._ready_ids.add(result.job_id)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Every submitted job exactly once; never blocks. Partial loads carry
         ``successful_keys``; ``transfer_time`` is the engine's (first SQE to last completion)."""
         out, self._ready = self._ready, []
+        self._ready_ids.clear()
         for i, tier in enumerate(self._tiers):
             for r in tier.get_finished_jobs():
-                done = self._merge(i, r)
-                if done is not None:
-                    out.append(done)
+                self._merge(i, r, out)
         if self._events is not None:
             self._collect_removals()
         return out
 
-    def _merge(self, shard: int, r: TierJobResult) -> JobResult | None:
-        job = self._jobs[r.job_id]
-        keys = job.parts.pop(shard)
+    def _merge(self, shard: int, r: TierJobResult, out: list[JobResult]) -> None:
+        """Takes one shard's result of a job; once every part is in, appends the job's result
+        (and the failures of the jobs refused for reusing its id) to ``out``."""
+        job = self._jobs.get(r.job_id)
+        keys = None if job is None else job.parts.pop(shard, None)
+        if keys is None:  # (never expected: every part is submitted and reported once)
+            logger.error("pykvtier: %s reported job %s, which it has no part of in flight; "
+                         "ignored", self._tiers[shard].layout.root, r.job_id)
+            return
         t = r.transfer_time or 0.0
         self._times[shard][0 if job.is_load else 1] += t
         job.transfer_time = max(job.transfer_time, t)  # parts run side by side
@@ -626,17 +708,20 @@ class PyKVTier(SecondaryTierManager):
         elif self._events is not None and ok:
             self._announce_stored(ok)
         if job.parts:
-            return None
+            return
         del self._jobs[r.job_id]
+        if job.claimed:
+            self._claims.release(job.claimed, job.is_load)
         self._job_times.append((job.is_load, job.transfer_time))
-        return JobResult(
+        out.append(JobResult(
             job_id=job.job_id,
             success=job.success,
             successful_keys=(tuple(job.ok_keys) if job.is_load and not job.success
                              and job.ok_keys else None),
             transfer_time=job.transfer_time,
             transfer_bytes=job.transfer_bytes,
-        )
+        ))
+        out.extend(_failed(job.job_id) for _ in range(job.refused))
 
     # ------------------------------------------------------------------ events
 
@@ -689,10 +774,11 @@ class PyKVTier(SecondaryTierManager):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._ready and self.has_pending_work():
             for i, tier in tiers:
+                done: list[JobResult] = []
                 for r in tier.wait(slice_s):
-                    done = self._merge(i, r)
-                    if done is not None:
-                        self._ready.append(done)
+                    self._merge(i, r, done)
+                for d in done:
+                    self._report(d)
                 if self._ready:
                     return
             if deadline is not None and time.monotonic() >= deadline:
@@ -707,7 +793,8 @@ class PyKVTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         """Finishes in-flight I/O, then releases the engines (threads, rings, registered
-        buffers, descriptors) and the references to the primary view. Idempotent."""
+        buffers, descriptors) and the references to the primary view. Idempotent. The jobs
+        that were in flight are reported by the next get_finished_jobs(), each once."""
         if self._closed:
             return
         self._closed = True
@@ -718,7 +805,6 @@ class PyKVTier(SecondaryTierManager):
             except Exception as exc:  # noqa: BLE001 - every root gets its shutdown
                 errors.append(exc)
                 logger.exception("pykvtier: shutting down %s failed", tier.layout.root)
-        self._jobs.clear()
         if errors:
             raise errors[0]
 
