@@ -76,8 +76,8 @@ class DiskTierConfig:
         False, "the root is shared with other processes: keys the index does not know are "
                "probed asynchronously (RETRY meanwhile) instead of answered MISS")
     direct: bool | None = _opt(
-        None, "O_DIRECT; `None`: where the file system accepts it (a buffered fallback is "
-              "logged and counted in `stats()[\"direct_fallbacks\"]`)")
+        None, "O_DIRECT; `None` (or `\"auto\"`): where the file system accepts it (a buffered "
+              "fallback is logged and counted in `stats()[\"direct_fallbacks\"]`)")
     queue_depth: int = _opt(64, "block requests in flight in the engine, 1 .. 4096")
     max_inflight_bytes: int = _opt(256 << 20, "payload bytes in flight in the engine",
                                    "256 MiB")
@@ -86,8 +86,8 @@ class DiskTierConfig:
         False, "durable stores: each block file fdatasync'ed before its rename, each directory "
                "renamed into fsync'ed (once per job) before the job is reported; turns `recycle` "
                "off")
-    engine: str = _opt("auto", "`uring`, `posix`, or `auto` (io_uring where the kernel allows "
-                               "it, else posix, logged)")
+    engine: str = _opt("auto", "`uring` (fio's `io_uring` too), `posix`, or `auto` (io_uring "
+                               "where the kernel allows it, else posix, logged)")
     device_path: Any = _opt(
         "auto", "for a CUDA arena: `auto`, `gds`, `kvikio-compat`, `bounce`, or a "
                 "`pykvtier.gpu.DeviceOptions` (see GPU)")
@@ -142,11 +142,15 @@ class DiskTierConfig:
         if not float(ttl) >= 0:  # (also NaN)
             raise ValueError(f"probe_ttl_s must be >= 0 seconds, got {float(ttl)}")
         set_("probe_ttl_s", float(ttl))
+        if self.direct == "auto":  # (the vLLM adapter's spelling of None)
+            set_("direct", None)
         if self.direct is not None and not isinstance(self.direct, bool):
-            raise ValueError(f"direct must be None, True or False, got {self.direct!r}")
+            raise ValueError(f"direct must be None ('auto'), True or False, got {self.direct!r}")
         if self.capacity_bytes is not None and self.capacity_bytes < bs + HEADER_BYTES:
             raise ValueError(f"capacity_bytes={self.capacity_bytes} cannot hold one block "
                              f"({bs + HEADER_BYTES} bytes with its header)")
+        if self.engine == "io_uring":  # (fio's name of it)
+            set_("engine", "uring")
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}: expected 'auto', 'uring' or 'posix'")
         set_("device_path", DeviceOptions.of(self.device_path))

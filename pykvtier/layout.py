@@ -151,7 +151,8 @@ def _canonical_root(root_dir: str | os.PathLike) -> str:
         raise ValueError("root_dir must not be empty (it would mean the current directory)")
     if "\0" in p:
         raise ValueError(f"root_dir {p!r} contains a NUL byte (no path can)")
-    return os.path.realpath(p)
+    # "~" and "~user" as a shell would expand them (a root from a JSON config never met a shell)
+    return os.path.realpath(os.path.expanduser(p))
 
 
 def _open_dir(path: str, *names: str) -> int:

@@ -134,6 +134,7 @@ class _Pending:
 _CORRUPT = frozenset(int(v) for v in _native.BlockError.__members__.values())  # failed checks
 _INTERNAL_JOB = 1 << 62  # engine job ids of the tier's own jobs (evictions)
 _NO_SPACE = (-errno.ENOSPC, -errno.EDQUOT)  # a store meeting these evicts and is retried once
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type: memory, not disk
 _FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between are counted)
 _NO_FS_FIGURES = 1 << 62  # free bytes assumed where the file system reports no sizes
 _LEFTOVER_RETRY_S = 1.0  # removal of leftover files retried at most this often
@@ -421,6 +422,8 @@ class DiskTier:
             except OSError:
                 min_free = 0
         self.min_free_bytes = min_free
+        if cfg.capacity_bytes is None and not cfg.shared:
+            self._warn_memory_root()
         self._fs_free = 0  # estimated free bytes of the root's file system (see _fs_room)
         self._fs_checked_at = -math.inf
         self._ready: list[JobResult] = []  # results settled without the engine
@@ -510,6 +513,24 @@ class DiskTier:
                 logger.warning("pykvtier: cannot remove stale temporary %s (%s); moving it to %s",
                                path, exc, self.layout.quarantine_dir)
                 self._quarantine_entry(dfd, sub, de.name)
+
+    def _warn_memory_root(self) -> None:
+        """A root on tmpfs/ramfs without capacity_bytes whose file system is larger (less
+        min_free_bytes) than the memory available: its blocks could take memory the machine
+        does not have (tmpfs's size is not free memory), so say so once."""
+        try:
+            name = _MEMORY_FS.get(_native.statfs_type(self.layout.root))
+            st = os.statvfs(self.layout.root)
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return
+        room = st.f_blocks * st.f_frsize - self.min_free_bytes
+        if name is not None and (st.f_blocks == 0 or room > available):
+            logger.warning("pykvtier: root %s is on %s (memory): with capacity_bytes=None its "
+                           "blocks may use %s, more than the %.1f GiB of memory available; set "
+                           "capacity_bytes", self.layout.root, name,
+                           "memory without bound" if st.f_blocks == 0 else
+                           f"{room / 2**30:.1f} GiB", available / 2**30)
 
     @staticmethod
     def _stale_tmp(owner: int, dfd: int, name: str, now: float, own_pid_live: bool,

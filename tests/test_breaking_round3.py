@@ -179,3 +179,61 @@ def test_odd_slot_id_types_and_numpy_job_ids(make_tier, root, arena):
     tier.submit_store(TransferJob(np.int64(4), [b"k"], torch.tensor([3])))
     (res,) = finish(tier, 4).values()
     assert type(res.job_id) is int and res.job_id == 4 and res.success is True
+
+
+def test_a_tilde_root_is_the_home_directory(tmp_path, monkeypatch):
+    """A root of "~/..." (JSON configs never meet a shell) is under $HOME, not a directory named
+    "~" under the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    tier = DiskTier("~/kv", BS)
+    try:
+        assert tier.layout.root == os.path.realpath(tmp_path / "home" / "kv")
+        assert not os.path.exists(tmp_path / "~")
+    finally:
+        tier.shutdown()
+
+
+def test_a_memory_root_larger_than_the_memory_available_is_warned_about(tmp_path, caplog,
+                                                                         monkeypatch):
+    """tmpfs's size is not free memory: a root there without capacity_bytes, whose file system
+    holds more than the memory available, is warned about at start (once); with a capacity, or
+    with more memory available than the file system holds, it is not."""
+    if _native.statfs_type("/dev/shm") != 0x01021994:
+        pytest.skip("/dev/shm is not tmpfs here")
+    root = f"/dev/shm/pykvtier-test-{os.getpid()}"
+    st = os.statvfs("/dev/shm")
+    size = st.f_blocks * st.f_frsize
+    page = os.sysconf("SC_PAGE_SIZE")
+    real_sysconf = os.sysconf
+    avail = {"pages": (size // 2) // page}  # half the file system's size is available
+
+    def sysconf(name):
+        return avail["pages"] if name == "SC_AVPHYS_PAGES" else real_sysconf(name)
+
+    monkeypatch.setattr(os, "sysconf", sysconf)
+    try:
+        with caplog.at_level("WARNING", logger="pykvtier"):
+            DiskTier(root, BS, min_free_bytes=0).shutdown()
+            DiskTier(root, BS, capacity_bytes=4 * FB).shutdown()
+            avail["pages"] = size // page + 1
+            DiskTier(root, BS, min_free_bytes=0).shutdown()
+        memory = [r.getMessage() for r in caplog.records if "(memory)" in r.getMessage()]
+        assert memory == [
+            f"pykvtier: root {os.path.realpath(root)} is on tmpfs (memory): with "
+            f"capacity_bytes=None its blocks may use {size / 2**30:.1f} GiB, more than the "
+            f"{(size // 2) // page * page / 2**30:.1f} GiB of memory available; set capacity_bytes"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_adapters_and_fios_spellings_are_taken(root):
+    tier = DiskTier(root, BS, direct="auto", engine="io_uring")
+    try:
+        assert (tier.config.direct, tier.config.engine) == (None, "uring")
+    finally:
+        tier.shutdown()
+    with pytest.raises(ValueError) as ei:
+        DiskTier(root, BS, direct="yes")
+    assert str(ei.value) == "direct must be None ('auto'), True or False, got 'yes'"

@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/vfs.h>
+
+#include <cerrno>
 #include <system_error>
 
 #include "checksum.hpp"
@@ -230,6 +233,26 @@ void register_checksums_and_direct_probe(py::module_& m) {
       "left. On a full file system (ENOSPC, EDQUOT) the answer comes from an O_DIRECT read of an\n"
       "existing file under dir (a block file), else direct=False with the reason. Raises\n"
       "ValueError if dir cannot be used otherwise (missing, not a directory, not writable).");
+  m.def(
+      "statfs_type",
+      [](const std::string& path) {
+        struct statfs st {};
+        int rc, err = 0;
+        {
+          py::gil_scoped_release nogil;
+          rc = ::statfs(path.c_str(), &st);
+          if (rc != 0) err = errno;
+        }
+        if (rc != 0) {
+          errno = err;  // (what taking the GIL back may have changed)
+          PyErr_SetFromErrnoWithFilename(PyExc_OSError, path.c_str());
+          throw py::error_already_set();
+        }
+        return uint64_t(static_cast<unsigned long>(st.f_type));
+      },
+      py::arg("path"),
+      "statfs(2)'s f_type of the file system path is on (an int: a magic number of\n"
+      "<linux/magic.h>, e.g. 0xEF53 ext4, 0x01021994 tmpfs, 0x65735546 FUSE). OSError naming path.");
   m.def(
       "_set_openat2_disabled",
       [](bool disabled) { openat2_disabled_for_tests() = disabled; },
