@@ -664,6 +664,12 @@ class DiskTier:
             return _ANSWERS[r]
         return self._counted(self._lookup_unknown(digest))
 
+    def holds(self, digest: bytes) -> bool:
+        """Whether the block of the key whose key_digest is ``digest`` is in the tier now (stored
+        and not being evicted), from the index alone: no probe, nothing counted (lookup's
+        statistics are the engine's questions). For an adapter's stored events."""
+        return self._bindex.state(digest) == _PRESENT
+
     def _counted(self, r: LookupResult) -> LookupResult:
         self._bindex.count(_ANSWER_CODE[r])
         return r

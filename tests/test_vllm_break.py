@@ -330,3 +330,46 @@ def test_bad_root_dir_entries_are_refused_naming_root_dir(root, monkeypatch, roo
     with pytest.raises(exc, match=match):
         SecondaryTierFactory.create_secondary_tier(dict(cfg), memoryview(aligned_rows(4)), spec)
     assert os.listdir(root) == []
+
+
+def test_no_stored_event_for_a_skipped_key_evicted_before_its_job_is_reported(root, make_tier):
+    """Job 2 stores a, present (skipped, settled at submit); before job 2 is reported, job 3's
+    new keys evict a and b (capacity: two blocks). The events say stored [a, b], removed
+    [a, b], stored [c, d]: no stored event for a after it is gone (it was: a consumer then
+    believed a in the tier)."""
+    from test_vllm import BLOCK
+
+    from pykvtier.layout import HEADER_BYTES
+
+    v, arr = make_tier(tier_config(root, capacity_bytes=2 * (BLOCK + HEADER_BYTES),
+                                   enable_kv_events=True), num_chunks=8, events=True)
+    a, b, c, d = (key(i, b"ev") for i in range(4))
+    name = {a: "a", b: "b", c: "c", d: "d"}
+    for n, k in enumerate((a, b, c, d)):
+        arr[n] = np.frombuffer(payload(k), np.uint8)
+    events = []
+
+    def take():
+        events.extend(("removed" if e.removed else "stored", sorted(name[k] for k in e.keys))
+                      for e in v.take_events())
+
+    assert results_of(v, job(1, [a, b], [0, 1], False)) == {1: True}
+    take()
+    v.submit_store(job(2, [a], [0], False))
+    v.submit_store(job(3, [c, d], [2, 3], False))
+    take()  # (a step's take_events)
+    assert {r.job_id: r.success for r in drained(v)} == {2: True, 3: True}
+    take()
+    assert events == [("stored", ["a", "b"]), ("removed", ["a", "b"]), ("stored", ["c", "d"])]
+    assert [v.lookup(k, ReqContext("r")) for k in (a, b, c, d)] == [MISS, MISS, HIT, HIT]
+
+
+def results_of(v, *jobs) -> dict:
+    for j in jobs:
+        (v.submit_load if j.is_promotion else v.submit_store)(j)
+    return {r.job_id: r.success for r in drained(v)}
+
+
+def drained(v) -> list:
+    v.drain_jobs()
+    return list(v.get_finished_jobs())

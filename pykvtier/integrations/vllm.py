@@ -706,7 +706,7 @@ class PyKVTier(SecondaryTierManager):
         if job.is_load:
             job.ok_keys.extend(ok)
         elif self._events is not None and ok:
-            self._announce_stored(ok)
+            self._announce_stored(ok, self._tiers[shard])
         if job.parts:
             return
         del self._jobs[r.job_id]
@@ -725,11 +725,14 @@ class PyKVTier(SecondaryTierManager):
 
     # ------------------------------------------------------------------ events
 
-    def _announce_stored(self, keys: list[bytes]) -> None:
+    def _announce_stored(self, keys: list[bytes], tier: DiskTier) -> None:
+        """A stored event for the keys of a store job the tier holds now and that were not
+        announced: a key skipped as present may have been evicted before its job was reported
+        (its removed event went out then; announcing it would leave it stored for consumers)."""
         new = []
         for k in keys:
             d = key_digest(k)
-            if d not in self._announced:
+            if d not in self._announced and tier.holds(d):
                 self._announced[d] = k
                 new.append(k)
         if new:
