@@ -229,9 +229,12 @@ def test_gds_verify_modes_on_a_corrupt_payload(root, verify):
         assert res[1] == BS  # stored and loaded without a payload checksum: not caught
     else:
         assert res[1] == _native.ERR_CHECKSUM
-    # header checks hold in every mode: another key's block is refused
+        assert int(dst[1].count_nonzero()) == 0  # a failed load's bytes do not stay (zeroed)
+    assert torch.equal(dst[0], src[0])
+    # header checks hold in every mode: another key's block is refused, its memory zeroed
     res = run_job(eng, _native.READ_BLOCK, [(p[0], BS, int(dst[0].data_ptr()), d[1])], direct=False)
     assert res == [_native.ERR_KEY_MISMATCH]
+    assert int(dst[0].count_nonzero()) == 0
     with pytest.raises(ValueError, match="not device memory"):
         run_job(eng, _native.READ_BLOCK, [(p[0], BS, int(np.zeros(BS, np.uint8).ctypes.data), d[0])])
     eng.shutdown()

@@ -301,7 +301,10 @@ void GdsEngine::run_next() {
   lk.lock();
   if (++job.done < job.reqs.size()) return;
   lk.unlock();  // the last request of the job: its checks, counters, directory fsyncs
-  if (job.op == Op::ReadBlock) verify_job(t, *task.p);
+  if (job.op == Op::ReadBlock) {
+    verify_job(t, *task.p);
+    zero_failed_loads(t, job);
+  }
   count_results(job);
   if (job.fsync) detail::sync_renamed_dirs(job, stats_);
   lk.lock();
@@ -541,6 +544,42 @@ void GdsEngine::verify_job(ThreadCtx& t, Pending& p) {
     else if (sums[i] != want[i])
       r->result = kErrChecksum;
   }
+}
+
+// A failed load: bytes (a torn or foreign block) may have reached the caller's memory. None stay,
+// as with the host engines: each failed request's memory is zeroed (a CUDA error is counted and
+// noted; the request fails either way).
+void GdsEngine::zero_failed_loads(ThreadCtx& t, const Job& job) {
+  bool queued = false;  // memsets on t.stream not synchronized yet
+  auto sync = [&] {
+    if (!queued) return;
+    queued = false;
+    if (cudaError_t e = cudaStreamSynchronize(t.stream)) {
+      stats_.cuda_errors++;
+      note_error(std::string("cudaStreamSynchronize after zeroing failed loads: ") + cudaGetErrorString(e));
+    }
+  };
+  for (const auto& r : job.reqs) {
+    if (r.result >= 0) continue;
+    cudaPointerAttributes attr{};
+    cudaError_t e = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(r.addr));
+    if (e == cudaSuccess && attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+      std::memset(reinterpret_cast<void*>(r.addr), 0, r.length);  // (host memory)
+      continue;
+    }
+    if (e == cudaSuccess && attr.device != t.device) sync();  // (use_device replaces the stream)
+    if (e == cudaSuccess) {
+      if (int err = t.use_device(attr.device)) e = cudaError_t(err);
+    }
+    if (e == cudaSuccess) e = cudaMemsetAsync(reinterpret_cast<void*>(r.addr), 0, r.length, t.stream);
+    if (e != cudaSuccess) {
+      stats_.cuda_errors++;
+      note_error(std::string("zeroing a failed load's memory: ") + cudaGetErrorString(e));
+      continue;
+    }
+    queued = true;
+  }
+  sync();
 }
 
 void GdsEngine::count_results(const Job& job) {

@@ -103,6 +103,7 @@ class GdsEngine final : public detail::JobQueue {
   int64_t store(const Job& job, const Request& r, const char* hdr);
   int64_t device_write(const Request& r, int fd, uint64_t file_offset);
   void verify_job(ThreadCtx& t, Pending& p);
+  void zero_failed_loads(ThreadCtx& t, const Job& job);
   void count_results(const Job& job);
   bool payload_hashes(ThreadCtx& t, const std::vector<const Request*>& reqs, std::vector<uint64_t>& out);
   void note_error(const std::string& what);
