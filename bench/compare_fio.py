@@ -26,7 +26,7 @@ import shutil
 import sys
 
 from pykvtier.bench import fio as F
-from pykvtier.bench.sysutil import (default_bench_dir, median, mount_of, read_first_line,
+from pykvtier.bench.sysutil import (default_bench_dir, median, mount_of, plural, read_first_line,
                                      remove_files)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,12 +43,33 @@ def fmt(v, f):
     return "-".rjust(len(f.format(0))) if v is None else f.format(v)
 
 
-def row(label, m):
-    return f"  {label:<26}" + "  ".join(fmt(m.get(k), f) for _, k, f in COLS)
+def row(label, m, width=26):
+    return f"  {label:<{width}}" + "  ".join(fmt(m.get(k), f) for _, k, f in COLS)
 
 
-def header():
-    return f"  {'':<26}" + "  ".join(h.rjust(len(f.format(0))) for h, _, f in COLS)
+def header(width=26):
+    return f"  {'':<{width}}" + "  ".join(h.rjust(len(f.format(0))) for h, _, f in COLS)
+
+
+def job_labels(cases):
+    """(case, job name) -> the job's label in every table: its name, whole; "case/job" where
+    jobs of two job files share a name. ``cases``: [{"name": file stem, "jobs": [job names]}]."""
+    owners = {}
+    for c in cases:
+        for jn in c["jobs"]:
+            owners.setdefault(jn, set()).add(c["name"])
+    return {(c["name"], jn): jn if len(owners[jn]) == 1 else f"{c['name']}/{jn}"
+            for c in cases for jn in c["jobs"]}
+
+
+def label_width(labels):
+    """The label column: room for the longest label and the tool name after it."""
+    return max([26] + [len(v) + 1 + max(len(t) for t in F.TOOLS) for v in labels.values()])
+
+
+def headline(ncases, rounds, d, mount):
+    return (f"compare_fio: {plural(ncases, 'job file')}, {plural(rounds, 'round')}, files in {d} "
+            f"({mount[1]} on {mount[2]})")
 
 
 def ratio(a, b):
@@ -98,7 +119,10 @@ def main(argv=None) -> int:
             kv_args = [f"--directory={d}", jf]
         paths = F.prepare_files(specs)
         cases.append({"name": base, "jobfile": jf, "specs": specs, "fio_args": [fio_job], "kv_args": kv_args,
-                      "paths": paths, "reads_only": not any(s.writes for s in specs)})
+                      "paths": paths, "reads_only": not any(s.writes for s in specs),
+                      "jobs": list(dict.fromkeys(s.name for s in specs))})
+    labels = job_labels(cases)
+    width = label_width(labels)
     all_paths = sorted({p for c in cases for p in c["paths"]})
     cold = F.cold_cache(all_paths, enabled=not args.no_drop_caches)
     env = {"time": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
@@ -106,8 +130,7 @@ def main(argv=None) -> int:
            "mount": mount_of(d), "cold": cold.describe(), "rounds": args.rounds, "fio_prefault": args.prefault,
            "thp": read_first_line("/sys/kernel/mm/transparent_hugepage/enabled"),
            "pykvtier_engine": args.engine or "as in the job file"}
-    print(f"compare_fio: {len(cases)} job file(s), {args.rounds} rounds, files in {d} ({env['mount'][1]} on "
-          f"{env['mount'][2]})")
+    print(headline(len(cases), args.rounds, d, env["mount"]))
     print(f"  fio   : {env['fio']}, ioengine=io_uring (job file written from the parsed options; "
           f"{'read jobs as rw=randrw/rw rwmixread=100: buffers pre-faulted' if args.prefault else 'as written'})")
     print(f"  cold  : {cold.describe()}")
@@ -119,7 +142,7 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         order = list(F.TOOLS) if rnd % 2 == 0 else list(reversed(F.TOOLS))
         print(f"\nround {rnd + 1}/{args.rounds}  (order: {', '.join(order)})")
-        print(header(), flush=True)
+        print(header(width), flush=True)
         for c in cases:
             for tool in order:
                 cold.drop()
@@ -135,17 +158,19 @@ def main(argv=None) -> int:
                         if tool == "fio" and args.prefault and c["reads_only"] and m["written"]:
                             raise RuntimeError(f"fio wrote {m['written']} bytes in a read job")
                         runs.append(m)
-                        print(row(f"{c['name'][:17]} {tool}", m), flush=True)
+                        print(row(f"{labels.get((c['name'], jn), jn)} {tool}", m, width), flush=True)
                 except Exception as e:  # keep going; report
                     failed += 1
-                    print(f"  {c['name']} {tool}: FAILED: {e}", flush=True)
+                    names = ", ".join(labels[(c["name"], jn)] for jn in c["jobs"])
+                    print(f"  {names} {tool}: FAILED: {e}", flush=True)
                     runs.append({"case": c["name"], "round": rnd, "tool": tool, "error": str(e)})
 
     summary = []
-    print(f"\nmedians over {args.rounds} rounds (GB = 1e9 B; latency: fio lat = pykvtier clat, per I/O)")
-    print(header() + "   GB/s min..max")
+    print(f"\nmedians over {plural(args.rounds, 'round')} (GB = 1e9 B; latency: fio lat = pykvtier clat, per I/O)")
+    print(header(width) + "   GB/s min..max")
     for c in cases:
-        jobs = sorted({r["job"] for r in runs if r.get("case") == c["name"] and "job" in r})
+        seen = {r["job"] for r in runs if r.get("case") == c["name"] and "job" in r}
+        jobs = [jn for jn in c["jobs"] if jn in seen] + sorted(seen - set(c["jobs"]))
         for jn in jobs:
             med = {}
             for tool in F.TOOLS:
@@ -155,19 +180,23 @@ def main(argv=None) -> int:
                 med[tool] = {k: median([r.get(k) for r in rs]) for _, k, _ in COLS}
                 med[tool]["gbps_min"] = min(r["gbps"] for r in rs)
                 med[tool]["gbps_max"] = max(r["gbps"] for r in rs)
-                print(row(f"{jn[:17]} {tool}", med[tool]) + f"   {med[tool]['gbps_min']:.2f}..{med[tool]['gbps_max']:.2f}")
+                print(row(f"{labels.get((c['name'], jn), jn)} {tool}", med[tool], width)
+                      + f"   {med[tool]['gbps_min']:.2f}..{med[tool]['gbps_max']:.2f}")
             if len(med) < 2:
                 continue
             f_, k_ = med["fio"], med["pykvtier"]
             paired = {"bw": [], "cpu": []}
             for rnd in range(args.rounds):
-                a = [r for r in runs if r.get("job") == jn and r.get("round") == rnd and r.get("tool") == "pykvtier"]
-                b = [r for r in runs if r.get("job") == jn and r.get("round") == rnd and r.get("tool") == "fio"]
+                a = [r for r in runs if r.get("case") == c["name"] and r.get("job") == jn
+                     and r.get("round") == rnd and r.get("tool") == "pykvtier"]
+                b = [r for r in runs if r.get("case") == c["name"] and r.get("job") == jn
+                     and r.get("round") == rnd and r.get("tool") == "fio"]
                 if a and b:
                     paired["bw"].append(ratio(a[0]["gbps"], b[0]["gbps"]))
                     paired["cpu"].append(ratio(a[0]["cpu_s_per_gib"], b[0]["cpu_s_per_gib"]))
             reads = c["reads_only"]
-            s = {"case": c["name"], "job": jn, "reads_only": reads, "fio": f_, "pykvtier": k_,
+            s = {"case": c["name"], "job": jn, "label": labels.get((c["name"], jn), jn), "reads_only": reads,
+                 "fio": f_, "pykvtier": k_,
                  "bw_ratio": ratio(k_["gbps"], f_["gbps"]), "iops_ratio": ratio(k_["iops"], f_["iops"]),
                  "p99_ratio": ratio(k_["p99_ms"], f_["p99_ms"]),
                  "cpu_ratio": ratio(k_["cpu_s_per_gib"], f_["cpu_s_per_gib"]),
@@ -181,11 +210,12 @@ def main(argv=None) -> int:
 
     if summary:
         print(f"\nratios pykvtier / fio, medians (targets on reads: bandwidth >= {TARGET_BW}x, CPU/GiB <= {TARGET_CPU}x)")
+        w = max(24, *(len(s["label"]) for s in summary))
         for s in summary:
-            print(f"  {s['job']:<24} bandwidth {fmt(s['bw_ratio'], '{:.3f}')}x{ok(s['bw_ok'])}  "
+            print(f"  {s['label']:<{w}} bandwidth {fmt(s['bw_ratio'], '{:.3f}')}x{ok(s['bw_ok'])}  "
                   f"IOPS {fmt(s['iops_ratio'], '{:.3f}')}x  p99 {fmt(s['p99_ratio'], '{:.3f}')}x  "
                   f"CPU/GiB {fmt(s['cpu_ratio'], '{:.3f}')}x{ok(s['cpu_ok'])}")
-            print(f"  {'':<24} per round: bw " + " ".join(fmt(x, "{:.2f}") for x in s["bw_ratio_per_round"])
+            print(f"  {'':<{w}} per round: bw " + " ".join(fmt(x, "{:.2f}") for x in s["bw_ratio_per_round"])
                   + "   cpu " + " ".join(fmt(x, "{:.2f}") for x in s["cpu_ratio_per_round"]))
     if args.markdown and summary:
         print("\n| job | fio GB/s | pykvtier GB/s | bw ratio | fio IOPS | pykvtier IOPS | fio p99 ms | "
@@ -193,7 +223,7 @@ def main(argv=None) -> int:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for s in summary:
             f_, k_ = s["fio"], s["pykvtier"]
-            print(f"| {s['job']} | {f_['gbps']:.3f} | {k_['gbps']:.3f} | **{s['bw_ratio']:.2f}x** | "
+            print(f"| {s['label']} | {f_['gbps']:.3f} | {k_['gbps']:.3f} | **{s['bw_ratio']:.2f}x** | "
                   f"{f_['iops']:.0f} | {k_['iops']:.0f} | {fmt(f_['p99_ms'], '{:.2f}')} | "
                   f"{fmt(k_['p99_ms'], '{:.2f}')} | {fmt(s['p99_ratio'], '{:.2f}')}x | "
                   f"{fmt(f_['cpu_s_per_gib'], '{:.4f}')} | {fmt(k_['cpu_s_per_gib'], '{:.4f}')} | "
@@ -208,7 +238,7 @@ def main(argv=None) -> int:
     if not args.keep:
         remove_files(all_paths)
     if failed:
-        print(f"\n{failed} run(s) FAILED", file=sys.stderr)
+        print(f"\n{plural(failed, 'run')} FAILED", file=sys.stderr)
     return 1 if failed else 0
 
 

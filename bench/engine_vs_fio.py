@@ -695,7 +695,7 @@ def _run(args, d, mnt, fstype, src, native, native_err, bases, variants, mems, t
                       + "   cpu " + " ".join(f"{x:.2f}" for x in q["cpu_ratio_per_round"]))
         failed = [r for r in runs if "error" in r]
         if failed:
-            print(f"\n{len(failed)} run(s) FAILED: " + "; ".join(
+            print(f"\n{len(failed)} run{'s' if len(failed) != 1 else ''} FAILED: " + "; ".join(
                 f"{r['variant']} r{r['round'] + 1}: {r['error'][:200]}" for r in failed))
 
         if args.json:

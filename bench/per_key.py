@@ -36,7 +36,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
-from pykvtier.bench.sysutil import default_bench_dir  # noqa: E402
+from pykvtier.bench.sysutil import default_bench_dir, plural  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 from vs_vllm_fs import freeze_gc, make_spec  # noqa: E402
 
@@ -148,8 +148,8 @@ def run(args) -> None:
         region.cleanup()
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"{n} keys of {block} B in {J}-key jobs, {args.inflight} jobs per step, "
-          f"{args.shards} root(s); us of this thread's CPU per key")
+    print(f"{plural(n, 'key')} of {block} B in {J}-key jobs, {plural(args.inflight, 'job')} per step, "
+          f"{plural(args.shards, 'root')}; us of this thread's CPU per key")
     print(f"{'tier':14s} {'submit_store':>12s} {'submit_load':>12s} {'settle_store':>12s} "
           f"{'settle_load':>12s} {'lookups M/s':>12s}")
     for name, f in out.items():

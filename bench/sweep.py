@@ -6,8 +6,9 @@ for every iodepth, each round runs fio (ioengine=io_uring, the reference line) a
 `pykvtier bench` with each engine on the same files with the same options, in rotating order,
 cold (O_DIRECT; page cache dropped between runs where allowed). Medians over the rounds go to a
 JSON file and a PNG: bandwidth (top) and CPU seconds per GiB (bottom) against iodepth, one
-column per block size. Needs matplotlib for the plot (`pip install 'pykvtier[bench]'`); without
-it the table and the JSON are still written.
+column per block size. Needs matplotlib for the plot (`pip install -e '.[bench]'` in the clone:
+pykvtier is not on PyPI; or `pip install matplotlib`); without it the table and the JSON are
+still written.
 
     python bench/sweep.py                                   # 128k,512k,2m,5m x 1,4,16,32 x uring,posix
     python bench/sweep.py --bs 2m,5m --iodepth 8,32 --engines pykvtier-uring --rounds 3
@@ -25,7 +26,7 @@ import sys
 
 from pykvtier.bench import fio as F
 from pykvtier.bench.options import parse_size
-from pykvtier.bench.sysutil import default_bench_dir, fmt_size, median, mount_of, remove_files
+from pykvtier.bench.sysutil import default_bench_dir, fmt_size, median, mount_of, plural, remove_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINES = ("pykvtier-uring", "pykvtier-posix")
@@ -34,9 +35,19 @@ STYLE = {"fio": dict(color="black", linestyle="--", marker="o", label="fio io_ur
          "pykvtier-posix": dict(color="tab:orange", marker="^", label="pykvtier posix")}
 
 
-def job_args(d: str, bs: int, qd: int, size: int, engine: str) -> list[str]:
+#: The install hint where matplotlib is missing (pykvtier is not on PyPI: the clone's extra).
+MATPLOTLIB_HINT = ("matplotlib is not installed: no plot written (pip install -e '.[bench]' in the "
+                   "pykvtier clone, or pip install matplotlib); the JSON has every number")
+
+
+def job_name(bs: int, qds: list[int]) -> str:
+    """``sweep-2MiB-qd8``; for the layout, which serves every iodepth, ``sweep-2MiB-qd8,32``."""
+    return f"sweep-{fmt_size(bs)}-qd{','.join(map(str, qds))}"
+
+
+def job_args(d: str, bs: int, qd: int, size: int, engine: str, name: str | None = None) -> list[str]:
     n = max(1, size // bs)
-    return [f"--directory={d}", "--direct=1", f"--ioengine={engine}", f"--name=sweep-{fmt_size(bs)}-qd{qd}",
+    return [f"--directory={d}", "--direct=1", f"--ioengine={engine}", f"--name={name or job_name(bs, [qd])}",
             "--rw=randread", f"--bs={bs}", f"--size={n * bs}", f"--nrfiles={n}", f"--iodepth={qd}",
             f"--filename_format=sweep{bs}.$filenum"]
 
@@ -49,8 +60,7 @@ def plot(results: dict, bss: list[int], qds: list[int], tools: list[str], png: s
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        return ("matplotlib is not installed: no plot written (pip install 'pykvtier[bench]' or "
-                "pip install matplotlib); the JSON has every number")
+        return MATPLOTLIB_HINT
     fig, axes = plt.subplots(2, len(bss), figsize=(3.2 * len(bss) + 1, 6.2), sharex=True, squeeze=False)
     for c, bs in enumerate(bss):
         for tool in tools:
@@ -110,7 +120,7 @@ def main(argv=None) -> int:
         tools = [t for t in ("fio", *ENGINES) if any(k[2] == t for k in keys)]
         env = data["env"]
         title = args.title or (f"pykvtier bench vs fio: randread, O_DIRECT, one block per file, cold; medians of "
-                               f"{env['rounds']} rounds\n{env['host']} {env['kernel']}, {env['mount'][1]} on "
+                               f"{plural(env['rounds'], 'round')}\n{env['host']} {env['kernel']}, {env['mount'][1]} on "
                                f"{env['mount'][2]}" + (f" -- {args.note}" if args.note else ""))
         why = plot(data["medians"], bss, qds, tools, args.png, title)
         print(why if why else f"wrote {args.png}")
@@ -132,10 +142,12 @@ def main(argv=None) -> int:
     tools = ["fio", *engines]
     paths = []
     for bs in bss:
-        paths += F.prepare_files(F.parse(job_args(d, bs, 1, size, engines[0])))
+        # one layout per block size serves every iodepth: its label names them all
+        paths += F.prepare_files(F.parse(job_args(d, bs, qds[0], size, engines[0], job_name(bs, qds))))
     cold = F.cold_cache(paths, enabled=not args.no_drop_caches)
     print(f"sweep: bs {','.join(fmt_size(b) for b in bss)} x iodepth {','.join(map(str, qds))} x "
-          f"{', '.join(tools)}; {fmt_size(size)} per run; {args.rounds} rounds; files in {d} ({mnt[1]} on {mnt[2]})")
+          f"{', '.join(tools)}; {fmt_size(size)} per run; {plural(args.rounds, 'round')}; files in {d} "
+          f"({mnt[1]} on {mnt[2]})")
     print(f"  cold: {cold.describe()}", flush=True)
     runs = []
     k = 0
@@ -187,7 +199,7 @@ def main(argv=None) -> int:
                 cells.append(f"{tool} {m['gbps']:.3f}{rb} {m['cpu_s_per_gib']:.4f}{rc}")
             print(f"  bs={fmt_size(bs):>7} qd={qd:<3} " + " | ".join(cells))
     title = args.title or (f"pykvtier bench vs fio: randread, O_DIRECT, one block per file, cold; "
-                           f"medians of {args.rounds} rounds\n{platform.node()} {platform.release()}, "
+                           f"medians of {plural(args.rounds, 'round')}\n{platform.node()} {platform.release()}, "
                            f"{mnt[1]} on {mnt[2]}, {os.cpu_count()} CPUs" + (f" -- {args.note}" if args.note else ""))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:

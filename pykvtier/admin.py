@@ -96,11 +96,12 @@ def _is_fanout_name(name: str) -> bool:
 
 
 def _open_root(root: str | os.PathLike) -> str:
-    """The root's real path (as Layout resolves it); AdminError unless it holds a tier's
-    ``blocks`` directory (a real directory, not a link)."""
+    """The root's real path (as Layout resolves it: ``~`` expanded as a shell would, then
+    ``realpath``); AdminError unless it holds a tier's ``blocks`` directory (a real directory,
+    not a link)."""
     if not os.fspath(root):
         raise AdminError("root '' is empty (it would mean the current directory)")
-    path = os.path.realpath(os.fspath(root))
+    path = os.path.realpath(os.path.expanduser(os.fspath(root)))
     if not os.path.isdir(path):
         why = "not a directory" if os.path.exists(path) else "no such directory"
         raise AdminError(f"root {path}: {why}")

@@ -33,7 +33,8 @@ __all__ = ["HELP", "add_arguments", "collect", "data_checksums", "format_text", 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", default=None,
                    help="the tier's directory to probe (O_DIRECT, DIO alignment, io_uring file ops, "
-                        "cuFile); default: the current directory")
+                        "cuFile; a missing one: the directory it would be created in); default: the "
+                        "current directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--no-gpu", action="store_true",
                    help="skip the GPU probes that load CUDA libraries (torch, the gds engine)")
@@ -143,6 +144,35 @@ def data_checksums(fstype: str | None, mount_options: list[str] | tuple[str, ...
     return {"checksums": ok, "reason": reason, "suggested_verify": "header" if ok else "payload"}
 
 
+#: Directories whose entries are mount points by convention (fstab's, udisks').
+_MOUNT_DIRS = ("/mnt", "/media", "/run/media")
+
+
+def unmounted_warning(path: str, exists: bool, probe_dir: str, mount: dict[str, Any]) -> str | None:
+    """Why a root at ``path`` may be meant for a file system that is not mounted, or None.
+
+    ``probe_dir``: the root itself when it ``exists``, else its nearest existing ancestor (where
+    the tier would create it, with its missing parents); ``mount``: the mount holding
+    ``probe_dir`` (:func:`_mount_of`). A warning only where that is the file system of ``/``
+    and either the path lies under ``/mnt``, ``/media`` or ``/run/media`` (where devices are
+    mounted: nothing is, on the way to the root), or, for a missing root, its parent is missing
+    too (the tier would create a new tree on ``/``, as for a mount point that is not there)."""
+    if mount.get("mount") != "/":
+        return None
+    fs = f"{mount.get('fstype', '?')} on {mount.get('source', '?')}"
+    verb = "is" if exists else "would be created"
+    under = next((d for d in _MOUNT_DIRS if path.startswith(d + "/")), None)
+    if under is not None:
+        return (f"{path} is under {under}, where devices are mounted, but nothing is mounted on the way "
+                f"to it: the root {verb} on the file system of / ({fs}); mount the device first, "
+                "or pass the root you meant")
+    if not exists and os.path.dirname(path) != probe_dir:
+        first = os.path.join(probe_dir, os.path.relpath(path, probe_dir).split(os.sep)[0])
+        return (f"{first} does not exist: the tier would create it and the directories below it on the "
+                f"file system of / ({fs}); if a device should be mounted at {first}, mount it first")
+    return None
+
+
 def _root(root: str) -> dict[str, Any]:
     from . import _native
 
@@ -156,6 +186,10 @@ def _root(root: str) -> dict[str, Any]:
             probe_dir = os.path.dirname(probe_dir)
         out["probed_instead"] = probe_dir
     out.update(_mount_of(probe_dir))
+    if not os.path.lexists(root):
+        out["created_under"] = probe_dir  # the existing directory the tier would create it in
+    out["mount_warning"] = (None if "problem" in out  # not a directory: nothing to create
+                            else unmounted_warning(out["path"], out["exists"], probe_dir, out))
     out["data_checksums"] = data_checksums(out.get("fstype"), out.get("mount_options", ()),
                                            _has_nocow(probe_dir))
     try:
@@ -282,10 +316,14 @@ def _paths(report: dict[str, Any]) -> dict[str, Any]:
 
 def collect(root: str | None = None, no_gpu: bool = False) -> dict[str, Any]:
     """Everything ``doctor`` reports, as a dict with the keys: pykvtier, kernel, io_uring, root,
-    memlock, gpu, gds, paths (each a dict)."""
+    memlock, gpu, gds, paths (each a dict). ``root``: the tier's directory (``~`` expanded as a
+    shell would; None: the current directory; "" is refused with a ValueError, as DiskTier
+    refuses it)."""
     from . import __version__
 
-    root_dir = root or os.getcwd()
+    if root == "":
+        raise ValueError("root '' is empty (it would mean the current directory)")
+    root_dir = os.path.expanduser(root) if root is not None else os.getcwd()
     r = _root(root_dir)
     report: dict[str, Any] = {
         "pykvtier": {"version": __version__, "python": sys.version.split()[0], "executable": sys.executable},
@@ -358,12 +396,17 @@ def _io_uring_rows(row: _Rows, u: dict[str, Any]) -> None:
 
 
 def _root_rows(row: _Rows, r: dict[str, Any]) -> None:
-    if r.get("problem"):
-        where = r["path"] + ("" if r["exists"] or not os.path.exists(r["path"])
-                             else f" (probed {r['probe_dir']})")
+    fs = f"{r.get('fstype', '?')} on {r.get('source', '?')}"
+    free = f"{_size(r.get('free_bytes'))} free"
+    if r.get("created_under"):
+        row("root", f"{r['path']}: missing; the tier would create it under {r['created_under']}, "
+                    f"on {fs} (mounted at {r.get('mount', '?')}), {free}")
+    elif not r["exists"]:  # not a directory
+        row("root", f"{r['path']} (probed {r['probe_dir']}): {fs}, {free}")
     else:
-        where = r["path"] + ("" if r["exists"] else f" (missing; probed {r['probe_dir']})")
-    row("root", f"{where}: {r.get('fstype', '?')} on {r.get('source', '?')}, {_size(r.get('free_bytes'))} free")
+        row("root", f"{r['path']}: {fs}, {free}")
+    if r.get("mount_warning"):
+        row("root WARNING", r["mount_warning"])
     if "quarantine_files" in r:
         bs = r["block_size_bytes"]
         row("root contents",
@@ -484,7 +527,10 @@ def format_text(rep: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints the report; exits 1 when the root cannot hold a tier, else 0."""
+    """Prints the report; exits 1 when the root cannot hold a tier, 2 for an empty --root, else 0."""
+    if args.root == "":
+        print("pykvtier doctor: root '' is empty (it would mean the current directory)", file=sys.stderr)
+        return 2
     rep = collect(args.root, no_gpu=args.no_gpu)
     if args.json:
         print(json.dumps(rep, indent=2, sort_keys=True, default=str))

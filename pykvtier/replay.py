@@ -21,6 +21,7 @@ block costs one memory pass to make and one to check.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import itertools
 import json
@@ -89,6 +90,11 @@ _STORE_REJECTIONS = ("no capacity", "block is being evicted")
 
 class ReplayConfigError(ValueError):
     """The replay cannot run with these settings (message says why)."""
+
+
+def _plural(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 request``, ``2 requests`` (``plural``: the plural where it is not noun + "s")."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 # --------------------------------------------------------------------------------------
@@ -317,7 +323,7 @@ def _arena_slots(max_blocks: int, block_size: int, arena_bytes: int | None) -> i
         slots = arena_bytes // block_size
         if slots < need:
             raise ReplayConfigError(
-                f"arena of {format_bytes(arena_bytes)} holds {slots} blocks of "
+                f"arena of {format_bytes(arena_bytes)} holds {_plural(slots, 'block')} of "
                 f"{format_bytes(block_size)}, but the largest request needs {need}"
             )
         return slots
@@ -326,7 +332,8 @@ def _arena_slots(max_blocks: int, block_size: int, arena_bytes: int | None) -> i
 
 def _allocate_arena(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     """Anonymous private mapping: page-aligned, zero-filled, faulted in here (before the
-    replay's clock starts) where the kernel can populate it in one call."""
+    replay's clock starts) where the kernel can populate it in one call. OSError (ENOMEM)
+    where the memory is not there: the mapping is refused, or faulting it in failed."""
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:  # transparent huge pages: ~500x fewer page faults to touch (or pin) the arena
@@ -339,8 +346,11 @@ def _allocate_arena(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
             # registers it, which faults it in; without that (posix engine) the first fill of
             # each page would fault it in the middle of the measured replay instead.
             mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
-        except OSError:
-            pass  # older kernel: faulted in on first touch
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM:  # the pages are not there: no replay either
+                mm.close()
+                raise
+            # older kernel (EINVAL): faulted in on first touch
     arr = np.frombuffer(mm, dtype=np.uint8)
     assert arr.ctypes.data % PAGE_BYTES == 0
     return mm, arr
@@ -652,7 +662,7 @@ class ReplayDriver:
         """``n`` free arena slots, waiting for jobs in flight to free them."""
         while len(self._free_slots) < n:
             if not self._pending:
-                raise RuntimeError(f"arena exhausted: need {n} slots, {len(self._free_slots)} free, "
+                raise RuntimeError(f"arena exhausted: need {_plural(n, 'slot')}, {len(self._free_slots)} free, "
                                    "nothing in flight")
             self.wait_some(0.1)
         return [self._free_slots.pop() for _ in range(n)]
@@ -670,7 +680,7 @@ class ReplayDriver:
             self.handle(results)
         elif self._pending and time.monotonic() - self._last_finish > _STALL_DEADLINE_S:
             raise RuntimeError(
-                f"tier stalled: {len(self._pending)} job(s) in flight and none finished for "
+                f"tier stalled: {_plural(len(self._pending), 'job')} in flight and none finished for "
                 f"{_STALL_DEADLINE_S:.0f} s (job ids {sorted(self._pending)[:8]})"
             )
 
@@ -717,7 +727,7 @@ class ReplayDriver:
                 c.store_failed_keys += 1
                 hard.append(k)
         if hard:
-            c.error(f"{kind} job {r.job_id}: {len(hard)} of {len(p.keys)} keys failed "
+            c.error(f"{kind} job {r.job_id}: {len(hard)} of {_plural(len(p.keys), 'key')} failed "
                     f"(first {hard[0].hex()}: {reasons.get(hard[0], 'no reason given')})", len(hard))
 
     def _check_loaded(self, r: Any, p: _Pending, ok_keys: set[bytes], now: float) -> None:
@@ -770,8 +780,12 @@ def _requests_of(config: ReplayConfig, requests: Sequence[Request] | None) -> tu
 
 
 def _open_given_root(root: str) -> str:
-    """``root`` as an absolute path, made (0700) if missing; ReplayConfigError naming it."""
-    root = os.path.abspath(root)
+    """``root`` (``~`` expanded, as a shell would) as an absolute path, made (0700) if missing;
+    ReplayConfigError naming it. An empty root is refused, as DiskTier and the operators'
+    commands refuse it: it would mean the current directory (``--root "$UNSET"``)."""
+    if not root:
+        raise ReplayConfigError("root '' is empty (it would mean the current directory)")
+    root = os.path.abspath(os.path.expanduser(root))
     if os.path.exists(root) and not os.path.isdir(root):
         raise ReplayConfigError(f"cannot open the tier at {root}: not a directory")
     try:
@@ -790,7 +804,8 @@ def _summarize(driver: ReplayDriver, config: ReplayConfig, model: str, trace_nam
         engine_name += ", O_DIRECT" if stats["direct"] else ", buffered I/O"
     tier_verify = int(stats.get("verify_failures", 0) or 0)
     if tier_verify:
-        c.error(f"the tier found {tier_verify} block(s) on disk that failed their checksum/identity proof", 0)
+        c.error(f"the tier found {_plural(tier_verify, 'block')} on disk that failed their checksum/identity "
+                "proof", 0)
     kv_per_token = _models.get_preset(config.model).kv_bytes_per_token
     moved_gib = (c.bytes_loaded + c.bytes_stored) / (1 << 30)
     load_busy = _union_seconds(c.load_intervals)
@@ -862,6 +877,18 @@ class _Opened:
         return root_removed
 
 
+def _arena_enomem(nslots: int, need: int, block_size: int, nrequests: int, exc: OSError) -> str:
+    """The one-line error for an arena the memory cannot hold, with the ways out."""
+    arena = nslots * block_size
+    smaller = (f", a smaller --arena (down to {format_bytes(need * block_size)}, the largest request)"
+               if nslots > need else "")
+    largest = "the request" if nrequests == 1 else f"the largest of the {nrequests} requests"
+    return (f"cannot allocate the host arena of {format_bytes(arena)} ({_plural(nslots, 'block')} of "
+            f"{format_bytes(block_size)}; {largest} needs {need}): "
+            f"{exc.strerror or os.strerror(errno.ENOMEM)}; replay fewer requests (--max-requests N), "
+            f"a smaller model (--model){smaller}, or run where more memory is free")
+
+
 def run_replay(
     config: ReplayConfig,
     requests: Sequence[Request] | None = None,
@@ -898,7 +925,12 @@ def run_replay(
             root = opened.temp_root = tempfile.mkdtemp(prefix="pykvtier-replay-")
             guard.hold = False
             guard.check()
-        opened.mm, arena = _allocate_arena(nslots * bs)
+        try:
+            opened.mm, arena = _allocate_arena(nslots * bs)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise ReplayConfigError(_arena_enomem(nslots, max(1, max_blocks), bs, len(requests), exc)) from exc
         try:
             opened.tier = factory(root, bs, config.capacity_bytes, config.engine)
         except ValueError as exc:  # bad engine, unusable root, capacity below one block, ...
@@ -928,25 +960,31 @@ def format_summary(s: ReplaySummary) -> str:
     cap = "unlimited" if s.capacity_bytes is None else format_bytes(s.capacity_bytes)
     per_gib = "n/a" if s.cpu_s_per_gib is None else f"{s.cpu_s_per_gib:.2f} CPU s/GiB moved"
     tier_per_gib = "n/a" if s.tier_cpu_s_per_gib is None else f"{s.tier_cpu_s_per_gib:.2f} s/GiB"
+    written = s.bytes_stored // s.block_size_bytes if s.block_size_bytes else 0
+    recycled = s.tier_stats.get("files_recycled")
     lines = [
-        f"pykvtier replay: {s.requests} requests of {s.trace}",
+        f"pykvtier replay: {_plural(s.requests, 'request')} of {s.trace}",
         f"  model {s.model}, {s.tokens_per_block} tokens/block -> blocks of {format_bytes(s.block_size_bytes)} "
         f"({s.block_size_bytes} B); engine {s.engine}; capacity {cap}; arena {format_bytes(s.arena_bytes)}",
         f"  root {s.root}{' (removed)' if s.root_removed else ''}",
         f"  blocks      {s.blocks_requested} requested, {s.blocks_looked_up} looked up, {s.blocks_hit} hit"
-        f" ({s.blocks_hit_pending} pending), {s.lookup_retries} RETRY answers",
-        f"  hit ratio   blocks {s.block_hit_ratio:.2%}, bytes {s.byte_hit_ratio:.2%} "
-        f"({format_bytes(s.hit_kv_bytes)} of {format_bytes(s.prompt_kv_bytes)} prompt KV)",
-        f"  loaded      {format_bytes(s.bytes_loaded)} in {s.load_jobs} jobs, {s.load_busy_s:.2f} s busy"
-        f" -> {s.load_gbps:.2f} GB/s; per-request latency p50 {ms(s.load_latency_ms_p50)},"
+        f" ({s.blocks_hit_pending} pending), {_plural(s.lookup_retries, 'RETRY answer')}",
+        # the token figure counts the prompt's tokens (its last block may be partly filled);
+        # loaded and stored count whole blocks
+        f"  hit ratio   blocks {s.block_hit_ratio:.2%}, prompt tokens {s.byte_hit_ratio:.2%} "
+        f"(KV of the tokens hit: {format_bytes(s.hit_kv_bytes)} of {format_bytes(s.prompt_kv_bytes)})",
+        f"  loaded      {format_bytes(s.bytes_loaded)} in {_plural(s.load_jobs, 'job')}"
+        f" ({_plural(s.blocks_loaded, 'whole block')}), {s.load_busy_s:.2f} s busy"
+        f" -> {s.load_gbps:.2f} GB/s (GB = 1e9 B); per-request latency p50 {ms(s.load_latency_ms_p50)},"
         f" p99 {ms(s.load_latency_ms_p99)}, max {ms(s.load_latency_ms_max)}",
-        f"  stored      {format_bytes(s.bytes_stored)} in {s.store_jobs} jobs, {s.store_busy_s:.2f} s busy"
-        f" -> {s.store_gbps:.2f} GB/s; {s.store_rejected_keys} blocks declined by the tier (capacity)",
+        f"  stored      {format_bytes(s.bytes_stored)} in {_plural(s.store_jobs, 'job')}"
+        f" ({_plural(written, 'whole block')} written), {s.store_busy_s:.2f} s busy"
+        f" -> {s.store_gbps:.2f} GB/s; {_plural(s.store_rejected_keys, 'block')} declined by the tier"
+        " (capacity)",
         f"  CPU         {s.cpu_s:.2f} s, {per_gib} (tier alone {tier_per_gib};"
         f" replay's fill+verify {s.harness_cpu_s:.2f} s)",
         f"  evictions   {s.evictions}"
-        + (f" ({s.tier_stats['files_recycled']} files taken over by stores)"
-           if s.tier_stats.get("files_recycled") else ""),
+        + (f" ({_plural(recycled, 'file')} taken over by stores)" if recycled else ""),
         f"  verification failures {s.verification_failures}, errors {s.errors}"
         f" (load failures {s.load_failed_keys}, store failures {s.store_failed_keys},"
         f" tier checksum failures {s.tier_verify_failures})",
@@ -1014,7 +1052,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--root", metavar="DIR", default=None,
-        help="directory for the block files (kept); default: a new temporary directory, removed at the end",
+        help="directory for the block files (kept; created if missing, ~ expanded); default: a new "
+        "temporary directory, removed at the end",
     )
     parser.add_argument("--engine", choices=("auto", "uring", "posix"), default="auto",
                         help="I/O engine: uring (io_uring), posix (preadv/pwritev threads), or auto: "

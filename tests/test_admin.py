@@ -507,3 +507,24 @@ def test_not_a_root(tmp_path) -> None:
         assert proc.returncode == 2, args
         assert os.path.realpath(args[1]) in proc.stderr
     assert not os.path.exists(missing) and os.listdir(plain) == []
+
+
+def test_tilde_in_the_root_is_the_home_directory(tmp_path, monkeypatch) -> None:
+    """``pykvtier du '~/kv'`` (quoted, or from a script that never met a shell) is $HOME/kv, as
+    a shell would expand it, for every command; the result names the expanded path."""
+    home = tmp_path / "home"
+    kv = str(home / "kv")
+    make_root(kv, KEYS[:2])
+    monkeypatch.setenv("HOME", str(home))
+    real = os.path.realpath(kv)
+    assert admin.disk_usage("~/kv")["root"] == real
+    assert admin.fsck("~/kv")["root"] == real
+    assert admin.quarantine_list("~/kv") == {"root": real, "path": os.path.join(real, "quarantine"),
+                                             "files": 0, "bytes": 0}
+    assert admin.gc("~/kv", 2 * FB)["kept"] == {"blocks": 2, "bytes": 2 * FB}
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvtier.cli", "du", "~/kv", "--json"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HOME": str(home)}, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["root"] == real
+    assert sorted(os.listdir(tmp_path)) == ["home"]  # no directory called "~"

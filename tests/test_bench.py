@@ -479,3 +479,139 @@ def test_lookup_report_is_fio_shaped_and_cpu_is_over_its_runtime(root, mode, loo
     per_key_ns = float(m.group(3)) * {"ns": 1, "us": 1e3, "ms": 1e6}[m.group(4)]
     assert per_key_ns == pytest.approx(job["pykvtier"]["cpu_ns_per_key"], rel=0.01, abs=1)
     assert "  lookup: keys/s=" in text and f"keys={n} in " in text
+
+
+# --------------------------------------------------------------------------- words and labels
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _script(name):
+    """bench/NAME.py as a module (the scripts are not a package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH_DIR, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, BENCH_DIR)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(BENCH_DIR)
+    return mod
+
+
+def test_cmdhelp_of_an_unknown_option_exits_2(capsys):
+    assert bench_main(["--cmdhelp=bogus"]) == 2
+    assert capsys.readouterr() == ("", "pykvtier bench: error: --cmdhelp=bogus: no option 'bogus'; "
+                                       "`pykvtier bench --cmdhelp` lists them\n")
+    assert bench_main(["--cmdhelp=iodepth"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("iodepth ")
+
+
+def test_layout_message_says_file_or_files_as_fio_does(tmp_path):
+    import io
+
+    log = io.StringIO()
+    pat = FilePattern()
+    layout_files(job_files(_spec(f"--directory={tmp_path}", "--size=64k", "--bs=4k"), 0), pat, True, "one", log)
+    layout_files(job_files(_spec(f"--directory={tmp_path}", "--size=128k", "--bs=4k", "--nrfiles=2",
+                                 "--filename_format=two.$filenum"), 0), pat, True, "two", log)
+    assert log.getvalue() == ("one: Laying out IO file (1 file / 64KiB)\n"
+                              "two: Laying out IO files (2 files / total 128KiB)\n")
+
+
+def test_plural():
+    from pykvtier.bench.sysutil import plural
+
+    assert [plural(n, "round") for n in (0, 1, 2)] == ["0 rounds", "1 round", "2 rounds"]
+    assert plural(1, "job file") == "1 job file" and plural(3, "job file") == "3 job files"
+
+
+def test_compare_fio_labels_are_job_names():
+    cf = _script("compare_fio")
+    cases = [{"name": "kv-randread-2m-qd32", "jobs": ["randread-2m-qd32"]},
+             {"name": "kv-randread-2m-qd32-again", "jobs": ["randread-2m-qd32", "other"]},
+             {"name": "kv-write", "jobs": ["write-2m-qd8"]}]
+    labels = cf.job_labels(cases)
+    assert labels == {("kv-randread-2m-qd32", "randread-2m-qd32"): "kv-randread-2m-qd32/randread-2m-qd32",
+                      ("kv-randread-2m-qd32-again", "randread-2m-qd32"):
+                          "kv-randread-2m-qd32-again/randread-2m-qd32",
+                      ("kv-randread-2m-qd32-again", "other"): "other",
+                      ("kv-write", "write-2m-qd8"): "write-2m-qd8"}
+    assert cf.label_width(labels) == len("kv-randread-2m-qd32-again/randread-2m-qd32 pykvtier")
+    assert cf.label_width({("a", "b"): "b"}) == 26
+    mount = ("/", "ext4", "/dev/vda")
+    assert cf.headline(1, 1, "/d", mount) == "compare_fio: 1 job file, 1 round, files in /d (ext4 on /dev/vda)"
+    assert cf.headline(3, 5, "/d", mount) == "compare_fio: 3 job files, 5 rounds, files in /d (ext4 on /dev/vda)"
+
+
+_JOB = "[global]\ndirect=1\nbs=64k\nsize=256k\nnrfiles=4\nrw=randread\n[{name}]\niodepth={qd}\n"
+
+
+def _on_tmpfs(path) -> bool:
+    from pykvtier.bench.sysutil import mount_of
+
+    return mount_of(str(path))[1] in ("tmpfs", "ramfs")
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_compare_fio_names_each_job_the_same_way_everywhere(tmp_path):
+    """Two job files whose names share their first 21 characters, one round: every row names
+    its job in full (per round, medians, ratios), and the counts are singular."""
+    if _on_tmpfs(tmp_path):
+        pytest.skip("compare_fio refuses a tmpfs directory (no O_DIRECT)")
+    files = []
+    for stem, name, qd in (("kv-randread-tiny-job-a", "randread-64k-first", 2),
+                           ("kv-randread-tiny-job-b", "randread-64k-second", 1)):
+        files.append(tmp_path / f"{stem}.fio")
+        files[-1].write_text(_JOB.format(name=name, qd=qd))
+    d = tmp_path / "d"
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "compare_fio.py"), "--dir", str(d),
+                           "--rounds", "1", "--no-drop-caches", *map(str, files)],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == f"compare_fio: 2 job files, 1 round, files in {d} " + out[0].split(f"{d} ", 1)[1]
+    assert "medians over 1 round (GB = 1e9 B; latency: fio lat = pykvtier clat, per I/O)" in out
+    width = len("randread-64k-second pykvtier")  # the label column: the longest label and tool
+    jobs = ("randread-64k-first", "randread-64k-second")
+    rows = [line[:2 + width + 1] for line in out if line.startswith("  randread-") and "bandwidth" not in line]
+    per_round = [f"  {job} {tool}".ljust(2 + width) + " " for job in jobs for tool in ("fio", "pykvtier")]
+    assert rows == per_round + per_round  # per round, then the medians
+    ratios = [line[:2 + 24 + 11] for line in out if line.startswith("  randread-") and " bandwidth " in line]
+    assert ratios == [f"  {j:<24} bandwidth " for j in jobs]
+    assert "kv-randread" not in "\n".join(out[6:])
+    assert proc.stderr.splitlines() == ["randread-64k-first: Laying out IO files (4 files / total 256KiB)",
+                                        "randread-64k-second: Laying out IO files (4 files / total 256KiB)"]
+
+
+def test_sweep_install_hint_and_layout_label():
+    sw = _script("sweep")
+    assert "pip install -e '.[bench]'" in sw.MATPLOTLIB_HINT and "pykvtier[bench]" not in sw.MATPLOTLIB_HINT
+    assert "pykvtier[bench]" not in sw.__doc__
+    assert sw.job_name(2 << 20, [8, 32]) == "sweep-2MiB-qd8,32"
+    (spec,) = jobs_from_args(sw.job_args("/d", 2 << 20, 8, 4 << 20, "pykvtier-uring", sw.job_name(2 << 20, [8, 32])))
+    assert (spec.name, spec.values["iodepth"]) == ("sweep-2MiB-qd8,32", 8)
+    (spec,) = jobs_from_args(sw.job_args("/d", 2 << 20, 32, 4 << 20, "pykvtier-uring"))
+    assert spec.name == "sweep-2MiB-qd32"
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_sweep_labels_its_layout_with_the_iodepths_it_runs(tmp_path):
+    if _on_tmpfs(tmp_path):
+        pytest.skip("sweep refuses a tmpfs directory (no O_DIRECT)")
+    import sys
+
+    d = tmp_path / "d"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "sweep.py"), "--dir", str(d), "--bs", "64k",
+                           "--iodepth", "2,4", "--engines", "pykvtier-posix", "--rounds", "1", "--size", "256k",
+                           "--no-drop-caches", "--png", str(tmp_path / "s.png"), "--json", str(tmp_path / "s.json")],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["sweep-64KiB-qd2,4: Laying out IO files (4 files / total 256KiB)"]
+    assert proc.stdout.splitlines()[0].startswith(
+        "sweep: bs 64KiB x iodepth 2,4 x fio, pykvtier-posix; 256KiB per run; 1 round; files in ")

@@ -90,9 +90,94 @@ def test_missing_root_probes_its_parent_and_no_gpu(tmp_path, capsys):
     missing = tmp_path / "not" / "yet"
     assert main(["doctor", "--root", str(missing), "--no-gpu"]) == 0
     out = capsys.readouterr().out
-    assert f"{missing} (missing; probed {tmp_path})" in out
+    mnt = doctor._mount_of(str(tmp_path))
+    assert (f"root            {missing}: missing; the tier would create it under {tmp_path}, on "
+            f"{mnt['fstype']} on {mnt['source']} (mounted at {mnt['mount']}), ") in out
     assert "not probed (--no-gpu)" in out
     assert not missing.exists()
+    r = doctor._root(str(missing))
+    assert (r["created_under"], r["probed_instead"], r["exists"]) == (str(tmp_path), str(tmp_path), False)
+
+
+_ROOT_FS = {"mount": "/", "fstype": "ext4", "source": "/dev/vda"}
+
+
+@pytest.mark.parametrize("path,exists,probe_dir,mount,warning", [
+    # the first missing component is a mount point by convention: nothing is mounted there
+    ("/mnt/nvme0/kv", False, "/mnt", _ROOT_FS,
+     "/mnt/nvme0/kv is under /mnt, where devices are mounted, but nothing is mounted on the way to it: "
+     "the root would be created on the file system of / (ext4 on /dev/vda); mount the device first, "
+     "or pass the root you meant"),
+    # the mount point's directory exists (fstab's), the device is not mounted on it
+    ("/mnt/nvme0/kv", False, "/mnt/nvme0", _ROOT_FS,
+     "/mnt/nvme0/kv is under /mnt, where devices are mounted, but nothing is mounted on the way to it: "
+     "the root would be created on the file system of / (ext4 on /dev/vda); mount the device first, "
+     "or pass the root you meant"),
+    # a root made there earlier, while the device was not mounted
+    ("/media/usb/kv", True, "/media/usb/kv", _ROOT_FS,
+     "/media/usb/kv is under /media, where devices are mounted, but nothing is mounted on the way to it: "
+     "the root is on the file system of / (ext4 on /dev/vda); mount the device first, or pass the root "
+     "you meant"),
+    ("/run/media/me/disk/kv", False, "/run/media/me", _ROOT_FS,
+     "/run/media/me/disk/kv is under /run/media, where devices are mounted, but nothing is mounted on the "
+     "way to it: the root would be created on the file system of / (ext4 on /dev/vda); mount the device "
+     "first, or pass the root you meant"),
+    # missing parents: a new tree on /
+    ("/nonexist/a/b/kv", False, "/", _ROOT_FS,
+     "/nonexist does not exist: the tier would create it and the directories below it on the file system "
+     "of / (ext4 on /dev/vda); if a device should be mounted at /nonexist, mount it first"),
+    ("/data/kv", False, "/", _ROOT_FS,
+     "/data does not exist: the tier would create it and the directories below it on the file system "
+     "of / (ext4 on /dev/vda); if a device should be mounted at /data, mount it first"),
+    ("/var/tmp/a/kv", False, "/var/tmp", _ROOT_FS,
+     "/var/tmp/a does not exist: the tier would create it and the directories below it on the file "
+     "system of / (ext4 on /dev/vda); if a device should be mounted at /var/tmp/a, mount it first"),
+    # only the root itself is missing, or it exists, outside /mnt and /media: no warning
+    ("/var/tmp/kv", False, "/var/tmp", _ROOT_FS, None),
+    ("/var/tmp/kv", True, "/var/tmp/kv", _ROOT_FS, None),
+    # on a file system other than /'s: mounted, no warning
+    ("/mnt/nvme0/kv", False, "/mnt/nvme0", {"mount": "/mnt/nvme0", "fstype": "xfs", "source": "/dev/nvme0n1"},
+     None),
+    ("/mnt/nvme0/a/b/kv", False, "/mnt/nvme0", {"mount": "/mnt/nvme0", "fstype": "xfs", "source": "/dev/nvme0n1"},
+     None),
+    ("/tmp/a/kv", False, "/tmp", {"mount": "/tmp", "fstype": "tmpfs", "source": "tmpfs"}, None),
+    ("/mntx/kv", False, "/mntx", _ROOT_FS, None),  # /mntx is not /mnt
+])
+def test_unmounted_warning_rule(path, exists, probe_dir, mount, warning):
+    assert doctor.unmounted_warning(path, exists, probe_dir, mount) == warning
+
+
+def test_missing_root_on_the_root_file_system_warns(tmp_path, capsys, monkeypatch):
+    """A root whose parents are missing, on the file system of / (here: reported so): the
+    report says where it would be created, on which file system, and warns; exit 0."""
+    monkeypatch.setattr(doctor, "_mount_of", lambda path: {**_ROOT_FS, "mount_options": ["rw"]})
+    missing = tmp_path / "new" / "kv"
+    assert main(["doctor", "--root", str(missing), "--no-gpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in lines if line.startswith("root            ")]
+    assert row.startswith(f"root            {missing}: missing; the tier would create it under {tmp_path}, "
+                          "on ext4 on /dev/vda (mounted at /), ")
+    assert lines[lines.index(row) + 1] == (
+        f"root WARNING    {tmp_path / 'new'} does not exist: the tier would create it and the directories "
+        f"below it on the file system of / (ext4 on /dev/vda); if a device should be mounted at "
+        f"{tmp_path / 'new'}, mount it first")
+    assert not (tmp_path / "new").exists()
+    rep = doctor.collect(str(tmp_path / "kv"), no_gpu=True)  # only the root missing: no warning
+    assert rep["root"]["mount_warning"] is None and rep["root"]["created_under"] == str(tmp_path)
+
+
+def test_root_argument_tilde_and_empty(tmp_path, capsys, monkeypatch):
+    """``--root '~/kv'`` is $HOME/kv (as a shell would expand it); ``--root ""`` (an unset
+    variable) is refused as DiskTier refuses it, not taken for the current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    rep = doctor.collect("~/kv", no_gpu=True)
+    assert (rep["root"]["path"], rep["root"]["created_under"]) == (str(tmp_path / "kv"), str(tmp_path))
+    assert main(["doctor", "--root", "", "--no-gpu"]) == 2
+    assert capsys.readouterr() == ("", "pykvtier doctor: root '' is empty (it would mean the current directory)\n")
+    with pytest.raises(ValueError, match=r"^root '' is empty \(it would mean the current directory\)$"):
+        doctor.collect("", no_gpu=True)
+    assert os.listdir(tmp_path) == []
 
 
 def test_unusable_root_is_a_problem_and_exit_1(tmp_path, capsys):

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
@@ -42,3 +44,36 @@ def test_a_source_tree_without_compiled_modules_says_so(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ImportError: pykvtier: {tmp_path / 'pykvtier'} has no compiled modules")
     assert "shadows the installed package" in last
+
+
+def test_in_tree_python_commands_use_dash_P():
+    """Every ``python -c`` / ``python -m`` the README prints carries ``-P`` (Python 3.11+): run
+    in the clone's root, where the user is after setup, the source tree's ``pykvtier/`` would
+    otherwise shadow the installed package."""
+    with open(README) as f:
+        text = f.read()
+    found = re.findall(r"\bpython3?((?:\s+-[A-Za-z]+)*?)\s+-([cm])\b", text)
+    assert len(found) >= 2
+    assert [flags for flags, _ in found if "-P" not in flags.split()] == []
+
+
+def test_readme_gds_status_command_runs_in_a_source_tree(tmp_path):
+    """The README's gds status one-liner, run where a source tree without compiled modules is
+    the working directory (a clone's root): it imports the installed package and prints the
+    status dictionary. (Without ``-P`` a regular install fails there; an editable install's
+    import hook finds its own tree first, so only the command as printed is checked.)"""
+    import shlex
+    import shutil
+
+    import pykvtier
+
+    if sys.version_info < (3, 11):
+        pytest.skip("-P needs Python 3.11")
+    with open(README) as f:
+        (cmd,) = re.findall(r'`(python -P -c "from pykvtier import gpu; [^`]*)`', f.read())
+    shutil.copytree(os.path.dirname(pykvtier.__file__), tmp_path / "pykvtier",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    argv = shlex.split(cmd)
+    proc = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("{'built': ")

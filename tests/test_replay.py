@@ -41,6 +41,32 @@ def _requests(spec):
     return [Request(i, 512 * len(ids), 1, tuple(ids)) for i, (ids, _) in enumerate(spec)]
 
 
+# Children that are signalled get SIGINT at its default action (Python's KeyboardInterrupt)
+# whatever this process has: pytest started as a background job of a non-interactive shell (or
+# under nohup) inherits SIGINT ignored, its children too, and the CLI rightly keeps an ignored
+# SIGINT ignored. A small interpreter resets it, then becomes the child (exec keeps SIG_DFL; no
+# preexec_fn, which is unsafe with threads).
+_SIGINT_DEFAULT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+                   "signal.SIG_DFL); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"]
+
+
+def _python(*args: str) -> list[str]:
+    """argv of ``python ARGS`` with SIGINT at its default action."""
+    return [*_SIGINT_DEFAULT, *args]
+
+
+@pytest.fixture
+def sigint_deliverable():
+    """SIGINT raises KeyboardInterrupt in this process during the test (pytest may have started
+    with it ignored, see _SIGINT_DEFAULT); put back after."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _config(root, **kw):
     base = dict(
         model="tiny",
@@ -257,6 +283,96 @@ def test_cli_unusable_root_and_empty_trace(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty.jsonl"]
 
 
+def test_empty_root_is_refused_not_the_current_directory(tmp_path, monkeypatch, capsys):
+    """``--root "$UNSET"`` made the current directory the root; refused as DiskTier('') and the
+    operators' commands refuse it (exit 2, nothing created)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["replay", "--no-progress", "--model", "tiny", "--max-requests", "1", "--root", ""]) == 2
+    assert capsys.readouterr() == ("", "pykvtier replay: root '' is empty (it would mean the current directory)\n")
+    with pytest.raises(ReplayConfigError, match=r"^root '' is empty \(it would mean the current directory\)$"):
+        run_replay(_config(""), _requests(HANDMADE))
+    assert os.listdir(tmp_path) == []
+
+
+def test_tilde_in_the_root_is_the_home_directory(tmp_path, monkeypatch, capsys):
+    """``--root '~/kv'`` (quoted, or from a config that never met a shell) is $HOME/kv, as a
+    shell would expand it, and the summary names that path; no directory called "~"."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    trace = _trace_file(tmp_path / "t.jsonl")
+    assert cli.main(["replay", trace, "--model", "tiny", "--tokens-per-block", str(TINY_TPB),
+                     "--capacity", "none", "--root", "~/kv", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["ok"], d["root"], d["root_removed"]) == (True, str(home / "kv"), False)
+    assert sorted(os.listdir(home / "kv")) == [".pykvtier.lock", "blocks", "pykvtier-root.json", "quarantine"]
+    assert os.listdir(cwd) == []
+
+
+# the arena the first 40 requests of the bundled trace need with llama-3-70b, 32 tokens/block:
+# the largest request has 171 trace blocks, 16 engine blocks each, of 10 MiB (327680 B/token)
+_ARENA_70B = ("cannot allocate the host arena of 26.72 GiB (2736 blocks of 10.00 MiB; the largest of the "
+              "40 requests needs 2736): Cannot allocate memory; replay fewer requests (--max-requests N), "
+              "a smaller model (--model), or run where more memory is free")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "llama-3-70b"], _ARENA_70B),
+    (["--model", "tiny", "--tokens-per-block", "128", "--arena", "8GiB"],
+     "cannot allocate the host arena of 8.00 GiB (262144 blocks of 32.00 KiB; the largest of the 40 "
+     "requests needs 684): Cannot allocate memory; replay fewer requests (--max-requests N), a smaller "
+     "model (--model), a smaller --arena (down to 21.38 MiB, the largest request), or run where more "
+     "memory is free"),
+], ids=["llama-3-70b", "arena-option"])
+def test_an_arena_the_memory_cannot_hold_is_one_line_and_exit_2(tmp_path, argv, message):
+    """The arena does not fit (here: RLIMIT_AS of 4 GiB, as `ulimit -v` sets it; on a real machine,
+    too little memory): one line naming its size and the ways out, exit 2, no traceback, the
+    temporary root removed."""
+    assert models.block_size_bytes("llama-3-70b", 32) == 10 << 20
+    assert max(len(r.hash_ids) for r in load_trace(None, 40)) == 171
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "from pykvtier import cli\n"
+            f"sys.exit(cli.main(['replay', '--no-progress', *{argv!r}]))")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "TMPDIR": str(tmpdir)},
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"pykvtier replay: {message}\n")
+    assert os.listdir(tmpdir) == []
+
+
+def test_summary_counts_and_units(tmp_path):
+    """One request, one job: singular nouns; the hit ratio's second figure counts prompt tokens
+    (a request of 700 tokens in two 512-token trace blocks), loaded and stored whole blocks; GB
+    is 1e9 B beside GiB sizes."""
+    from pykvtier.replay import format_bytes
+
+    req = [Request(0, 700, 1, (1, 2))]
+    root = str(tmp_path / "root")
+    first = run_replay(_config(root), req)
+    s = run_replay(_config(root), req)  # the second run hits every block
+    assert first.ok and s.ok, (first.error_samples, s.error_samples)
+    assert (s.requests, s.load_jobs, s.store_jobs, s.blocks_loaded, s.blocks_stored) == (1, 1, 0, 8, 0)
+    assert (s.block_hit_ratio, s.byte_hit_ratio) == (1.0, 1.0)
+    assert (s.prompt_kv_bytes, s.hit_kv_bytes, s.bytes_loaded) == (700 * 256, 700 * 256, 8 * TINY_BS)
+    lines = format_summary(s).splitlines()
+    assert lines[0] == "pykvtier replay: 1 request of <in-memory>"
+    assert lines[3] == "  blocks      8 requested, 8 looked up, 8 hit (0 pending), 0 RETRY answers"
+    assert lines[4] == ("  hit ratio   blocks 100.00%, prompt tokens 100.00% (KV of the tokens hit: "
+                        "175.00 KiB of 175.00 KiB)")
+    assert lines[5].startswith(f"  loaded      {format_bytes(8 * TINY_BS)} in 1 job (8 whole blocks), ")
+    assert " GB/s (GB = 1e9 B); per-request latency p50 " in lines[5]
+    assert lines[6].startswith("  stored      0 B in 0 jobs (0 whole blocks written), ")
+    assert lines[6].endswith(" GB/s; 0 blocks declined by the tier (capacity)")
+    lines = format_summary(first).splitlines()
+    assert lines[5].startswith("  loaded      0 B in 0 jobs (0 whole blocks), ")
+    assert lines[6].startswith(f"  stored      {format_bytes(8 * TINY_BS)} in 1 job (8 whole blocks written), ")
+    assert lines[3] == "  blocks      8 requested, 1 looked up, 0 hit (0 pending), 0 RETRY answers"
+
+
 def test_cli_bad_capacity(capsys):
     with pytest.raises(SystemExit) as ei:
         cli.main(["replay", "--capacity", "8XB"])
@@ -312,12 +428,25 @@ def test_progress_ends_on_the_summary_counts(root, monkeypatch):
     assert f"stored      {format_bytes(s.bytes_stored)} in" in text
 
 
+def test_signalled_children_get_sigint_at_its_default_action():
+    """This process with SIGINT ignored (pytest as a background job): a plain child inherits
+    that, one started through _python() has Python's KeyboardInterrupt handler."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        reset = subprocess.run(_python("-c", code), capture_output=True, text=True, timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (plain.stdout, reset.stdout, reset.returncode) == ("False\n", "True\n", 0)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_unwinds_and_removes_the_temporary_root(tmp_path, signum):
     """kill / timeout / a CI cancel / Ctrl-C: the replay stops, its temporary root removed."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "pykvtier.cli", "replay", "--no-progress",
-                             "--model", "tiny", "--max-requests", "all"],
+    proc = subprocess.Popen(_python("-P", "-m", "pykvtier.cli", "replay", "--no-progress",
+                                    "--model", "tiny", "--max-requests", "all"),
                             env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -526,7 +655,7 @@ def _signal_plans(extent, start, unwinding):
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="anchors are qualified names (co_qualname)")
 def test_signal_at_every_point_removes_the_temporary_root(tmp_path, fast_tmpdir, capsys,
-                                                          monkeypatch):
+                                                          monkeypatch, sigint_deliverable):
     """SIGTERM or SIGINT at each of ~270 points of a replay: before and during the creation of
     the temporary root, the arena's prefault, the tier's start, the run, its drain, the tier's
     shutdown, the root's removal and the report; alone or with more signals during the
@@ -588,7 +717,7 @@ def _child(tmp_path, shots, body):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     code = _CHILD.format(tests=os.path.dirname(__file__), shots=shots, body=body)
-    proc = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "TMPDIR": str(tmpdir)},
+    proc = subprocess.run(_python("-P", "-c", code), env={**os.environ, "TMPDIR": str(tmpdir)},
                           cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     return proc, sorted(os.listdir(tmpdir))
 

@@ -87,7 +87,8 @@ def _split_own(argv: Sequence[str]) -> tuple[dict, list[str]]:
     return own, rest
 
 
-def _cmdhelp(which: str | None) -> str:
+def _cmdhelp(which: str | None) -> str | None:
+    """The description of every job option, or of ``which``; None when there is no such option."""
     from .options import OPTIONS
 
     lines = []
@@ -98,7 +99,7 @@ def _cmdhelp(which: str | None) -> str:
         tag = " [pykvtier]" if o.ours else (" [accepted, no effect]" if o.ignored else "")
         lines.append(f"{name:<18} {o.help}{dflt}{tag}")
     if not lines:
-        return f"no option {which!r}; `pykvtier bench --cmdhelp` lists them\n"
+        return None
     return "\n".join(lines) + "\n"
 
 
@@ -214,7 +215,12 @@ def main(argv: Sequence[str]) -> int:
         sys.stdout.write(USAGE)
         return 0
     if "cmdhelp" in own:
-        sys.stdout.write(_cmdhelp(own["cmdhelp"] or None))
+        text = _cmdhelp(own["cmdhelp"] or None)
+        if text is None:  # an unusable job option: exit 2, as for a job that names one
+            print(f"pykvtier bench: error: --cmdhelp={own['cmdhelp']}: no option {own['cmdhelp']!r}; "
+                  "`pykvtier bench --cmdhelp` lists them", file=sys.stderr)
+            return 2
+        sys.stdout.write(text)
         return 0
     fmt = own.get("output-format", "normal")
     if fmt not in ("normal", "json"):

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .options import BenchOptionError, JobSpec
-from .sysutil import DevStat, HugePages, alloc_host
+from .sysutil import DevStat, HugePages, alloc_host, plural
 from .workload import (
     FilePattern,
     FileSet,
@@ -639,7 +639,7 @@ def _store_population(tier, keys: list[bytes], bs: int, slots: int, log, name: s
     if not missing:
         return 0
     if log is not None:
-        print(f"{name}: storing {len(missing)} KV blocks of {bs} bytes in {tier.layout.root}",
+        print(f"{name}: storing {plural(len(missing), 'KV block')} of {bs} bytes in {tier.layout.root}",
               file=log, flush=True)
     pat = BlockPattern(bs)
     arena = tier._arena  # the job's arena: its slots stage the blocks
@@ -1015,7 +1015,7 @@ class LookupClone(PromoteClone):
     def finish(self) -> None:
         r = self.result
         r.read = self.streams[0].stats
-        r.extra = {"workload": f"{len(self.keys)} keys per pass, {self.spec.values['lookup_hit']}% stored",
+        r.extra = {"workload": f"{plural(len(self.keys), 'key')} per pass, {self.spec.values['lookup_hit']}% stored",
                    "root": self.root, "stored_at_setup": self.stored, **getattr(self, "kv", {})}
         if self.tier is not None:
             self.tier.shutdown()

@@ -14,8 +14,14 @@ import resource
 import statistics
 import subprocess
 
+
+def plural(n: int, noun: str, plural_form: str | None = None) -> str:
+    """``1 job``, ``3 jobs`` (``plural_form``: where the plural is not noun + "s")."""
+    return f"{n} {noun if n == 1 else plural_form or noun + 's'}"
+
 __all__ = [
     "GiB",
+    "plural",
     "MAP_HUGETLB",
     "fmt_size",
     "mount_of",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .options import BenchOptionError, JobSpec
+from .sysutil import plural
 
 __all__ = [
     "FileSet",
@@ -100,8 +101,8 @@ def job_files(spec: JobSpec, jobnum: int) -> FileSet:
     per_file -= per_file % bs
     if per_file <= 0:
         raise BenchOptionError(
-            f"job '{spec.name}': each of the {len(paths)} files gets less than one block "
-            f"(size {v['size']} / nrfiles {len(paths)} < bs {bs})")
+            f"job '{spec.name}': " + ("its file gets" if len(paths) == 1 else f"each of its {len(paths)} files gets")
+            + f" less than one block (size {v['size']} / nrfiles {len(paths)} < bs {bs})")
     return FileSet(tuple(paths), per_file, bs)
 
 
@@ -215,8 +216,9 @@ def layout_files(files: FileSet, pattern: FilePattern, allow_create: bool, jobna
     if not todo:
         return 0
     if log is not None:
-        print(f"{jobname}: Laying out IO files ({len(todo)} files / total "
-              f"{_fmt(len(todo) * files.file_size)})", file=log, flush=True)
+        many = len(todo) > 1  # fio's wording: "IO file (1 file / 1MiB)", "IO files (2 files / total 2MiB)"
+        print(f"{jobname}: Laying out IO file{'s' if many else ''} ({plural(len(todo), 'file')} / "
+              f"{'total ' if many else ''}{_fmt(len(todo) * files.file_size)})", file=log, flush=True)
     chunk = 8 << 20
     written = 0
     for p in todo:
@@ -329,7 +331,7 @@ def promote_workload(spec: JobSpec, jobnum: int = 0, pass_no: int = 0,
         order = rng.permutation(n)
         b = v["batch"]
         reqs = [[population[i] for i in order[s:s + b]] for s in range(0, n, b)]
-        return PromoteWorkload(population, reqs, f"synthetic: {n} blocks, {b} per request")
+        return PromoteWorkload(population, reqs, f"synthetic: {plural(n, 'block')}, {b} per request")
     from ..models import PRESETS
     from ..replay import block_key
     from ..trace import TRACE_BLOCK_TOKENS
@@ -366,5 +368,5 @@ def promote_workload(spec: JobSpec, jobnum: int = 0, pass_no: int = 0,
             reqs.append(keys)
     name = v["trace"]
     return PromoteWorkload(list(seen), reqs,
-                           f"trace {name}: {len(reqs)} requests, {tpb} tokens/block "
-                           f"({sub} blocks per 512-token trace block)", split)
+                           f"trace {name}: {plural(len(reqs), 'request')}, {tpb} tokens/block "
+                           f"({plural(sub, 'block')} per 512-token trace block)", split)
