@@ -100,7 +100,7 @@ def test_entries_are_submit_entries(layout, arena):
          space.block_path(victim)),
         (f"{space.block_path(dc)}.tmp.{os.getpid()}.{first + 2}", space.block_path(dc), BS, base + 6 * BS, dc),
     ]
-    assert space.entries("unlink", d) == [(space.block_path(x),) for x in (da, db, dc)]
+    assert space.entries(Op.UNLINK, d) == [(space.block_path(x),) for x in (da, db, dc)]
     # digests as bytearray / a (n, 16) uint8 array; slots as bytes of native int64
     raw = np.frombuffer(d, dtype=np.uint8).reshape(3, 16)
     slots = np.array([0, 1, 2], dtype=np.int64)
@@ -166,7 +166,7 @@ def test_store_load_unlink_round_trip(engine, layout, arena):
     dst = arena(n, BS)
     back = space_of(layout, dst)
     order = array("q", [4, 2, 0, 1, 3])  # slot of each digest in dst
-    engine.submit_blocks(12, "read_block", back, d, order, direct=False)
+    engine.submit_blocks(12, Op.READ_BLOCK, back, d, order, direct=False)
     engine.drain()
     (job,) = engine.poll()
     assert (job.job_id, job.op, job.results) == (12, Op.READ_BLOCK, [BS] * n)
@@ -307,6 +307,34 @@ def test_block_space_value_errors(arena):
         assert str(ei.value) == "key digest must be 16 bytes, got 15"
 
 
+@pytest.mark.parametrize("bad, what", [
+    ("read_block", "str 'read_block'"), ("WRITE_BLOCK", "str 'WRITE_BLOCK'"), ("unlink", "str 'unlink'"),
+    ("bogus", "str 'bogus'"), (int(Op.READ_BLOCK), "int"), (None, "NoneType"),
+], ids=["read_block", "WRITE_BLOCK", "unlink", "bogus", "int", "None"])
+def test_submit_blocks_and_entries_take_only_an_op(engine, layout, arena, bad, what):
+    """Ops cross to Python as the enum only: submit_blocks and BlockSpace.entries with an op's
+    name (or anything not an Op) are a TypeError naming it; nothing is queued or written."""
+    a = arena(2, BS)
+    space = space_of(layout, a)
+    d = digests_of(b"a", b"b")
+    s2 = np.array([0, 1], dtype=np.int64)
+    text = f"op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not {what}"
+    before = engine.stats()
+    slots = None if bad == "unlink" else s2
+    with pytest.raises(TypeError) as ei:
+        engine.submit_blocks(1, bad, space, d, slots, direct=False)
+    assert str(ei.value) == text
+    with pytest.raises(TypeError) as ei:
+        engine.submit_blocks(1, bad, space, d, slots, options=_native.SubmitOptions(direct=False))
+    assert str(ei.value) == text
+    with pytest.raises(TypeError) as ei:
+        space.entries(bad, d, slots)
+    assert str(ei.value) == text
+    assert engine.stats() == before and before["jobs_submitted"] == 0
+    assert engine.pending_jobs() == 0 and engine.poll() == []
+    assert block_files(layout) == []
+
+
 def test_submit_blocks_value_errors(engine, layout, arena):
     a = arena(2, BS)
     space = space_of(layout, a)
@@ -315,7 +343,6 @@ def test_submit_blocks_value_errors(engine, layout, arena):
     WB, RB, UN = Op.WRITE_BLOCK, Op.READ_BLOCK, Op.UNLINK
     value_errors = [
         ((Op.READ, d, s2), {}, "op must be READ_BLOCK, WRITE_BLOCK or UNLINK for block requests, not read"),
-        (("bogus", d, s2), {}, "unknown op 'bogus': expected read, write, read_block, write_block or unlink"),
         ((RB, d + b"x", s2), {}, "digests must be n * 16 bytes (16-byte key digests), got 33 bytes"),
         ((RB, b"", s2), {}, "digests is empty: no blocks"),
         ((RB, d, None), {}, "slots is required for read_block"),

@@ -191,7 +191,7 @@ def test_the_bounce_engine_reports_its_host_engines_leftovers(root, chattr, alig
     """Device arenas store through BounceEngine: the temporary its host engine could not remove
     reaches the tier through BounceEngine.take_leftovers()."""
     from pykvtier import _native
-    from pykvtier.engines import run_job
+    from pykvtier.engines import Op, run_job
     from pykvtier.engines.bounce import BounceEngine, HostCopier
     from pykvtier.posix_engine import PosixEngine
 
@@ -203,8 +203,8 @@ def test_the_bounce_engine_reports_its_host_engines_leftovers(root, chattr, alig
         chattr(d, "a")
         dev = aligned(BS, fill=6)
         final = os.path.join(d, "b")
-        res = run_job(eng, "write_block", [(final + ".tmp", final, BS, int(dev.ctypes.data),
-                                            key_digest(b"b"))], direct=False)
+        res = run_job(eng, Op.WRITE_BLOCK, [(final + ".tmp", final, BS, int(dev.ctypes.data),
+                                              key_digest(b"b"))], direct=False)
         assert res == [-errno.EPERM]
         assert eng.take_leftovers() == [final + ".tmp"]
         assert eng.take_leftovers() == []  # each once

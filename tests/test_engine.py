@@ -26,6 +26,12 @@ from pykvtier.layout import HEADER_BYTES, key_digest, read_header
 
 Engine = _native.Engine
 
+
+def op_id(value):
+    """Test ids: an Op as its lower-case name ("read_block"), anything else pytest's default."""
+    return value.name.lower() if isinstance(value, Op) else None
+
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 8 * MiB]
 SIZE_IDS = ["4K", "64K", "256K", "1M", "2M", "8M"]
@@ -210,14 +216,14 @@ def test_buffered_path_takes_unaligned_memory(root, aligned, engine):
 # ------------------------------------------------------------------------- errors per entry
 
 
-@pytest.mark.parametrize("op", ["read", "read_block"])
+@pytest.mark.parametrize("op", [Op.READ, Op.READ_BLOCK], ids=op_id)
 def test_missing_file_fails_only_its_entry(direct_root, aligned, engine, op):
     size = 64 * KiB
     src = aligned(3 * size, fill=4)
     dst = aligned(3 * size)
     paths = [os.path.join(direct_root, f"f{i}") for i in range(3)]
     digests = [key_digest(b"%d" % i) for i in range(3)]
-    if op == "read":
+    if op == Op.READ:
         writes = [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)]
         assert run_job(engine, Op.WRITE, writes) == [size] * 3
     else:
@@ -225,7 +231,7 @@ def test_missing_file_fails_only_its_entry(direct_root, aligned, engine, op):
         assert run_job(engine, Op.WRITE_BLOCK, writes) == [size] * 3
     os.unlink(paths[1])
     before = engine.stats()
-    if op == "read":
+    if op == Op.READ:
         entries = [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)]
     else:
         entries = [(p, size, addr(dst) + i * size, digests[i]) for i, p in enumerate(paths)]
@@ -288,13 +294,14 @@ def test_alignment_is_the_callers(direct_root, aligned, engine, storage_base):
 @pytest.mark.parametrize(
     ("op", "entry", "needle"),
     [
-        ("read", ("p", 0, 4096), r"entry 0: expected a tuple of 4 items for op 'read', got 3"),
-        ("read_block", ("p", 4096, 1, b"x" * 16, 0), r"entry 0: expected a tuple of 4 items"),
-        ("read_block", ("p", 4096, 4096, b"short"), r"entry 0 \(p\): key digest must be 16 bytes"),
-        ("read", ("p", 0, 0, 4096), r"entry 0 \(p\): length is 0"),
-        ("read", ("p", 0, GiB + 4096, 4096), r"entry 0 \(p\): length 1073745920 exceeds the 1 GiB"),
-        ("read", ("p", 0, 4096, 0), r"entry 0 \(p\): host address is NULL"),
+        (Op.READ, ("p", 0, 4096), r"entry 0: expected a tuple of 4 items for op 'read', got 3"),
+        (Op.READ_BLOCK, ("p", 4096, 1, b"x" * 16, 0), r"entry 0: expected a tuple of 4 items"),
+        (Op.READ_BLOCK, ("p", 4096, 4096, b"short"), r"entry 0 \(p\): key digest must be 16 bytes"),
+        (Op.READ, ("p", 0, 0, 4096), r"entry 0 \(p\): length is 0"),
+        (Op.READ, ("p", 0, GiB + 4096, 4096), r"entry 0 \(p\): length 1073745920 exceeds the 1 GiB"),
+        (Op.READ, ("p", 0, 4096, 0), r"entry 0 \(p\): host address is NULL"),
     ],
+    ids=op_id,
 )
 def test_malformed_entries(engine, op, entry, needle):
     with pytest.raises(ValueError, match=needle):
@@ -303,7 +310,7 @@ def test_malformed_entries(engine, op, entry, needle):
 
 
 @pytest.mark.parametrize("cls", ["Engine", "PosixEngine"])
-@pytest.mark.parametrize("op", ["read", "read_block", "write", "write_block", "unlink"])
+@pytest.mark.parametrize("op", [Op.READ, Op.READ_BLOCK, Op.WRITE, Op.WRITE_BLOCK, Op.UNLINK], ids=op_id)
 def test_paths_the_kernel_cannot_take_are_rejected_before_any_io(root, aligned, cls, op):
     """An empty path, a NUL byte or PATH_MAX bytes fail before the ring (io_uring would fail
     them while preparing the open, cancelling the rest of the chain without completions)."""
@@ -314,20 +321,20 @@ def test_paths_the_kernel_cannot_take_are_rejected_before_any_io(root, aligned, 
     assert len(long_) == 4096
 
     def entry(path, target=None, recycle=None):
-        if op == "unlink":
+        if op == Op.UNLINK:
             return path
-        if op in ("read", "write"):
+        if op in (Op.READ, Op.WRITE):
             return (path, 0, 4096, addr(buf)) + ((target,) if target is not None else ())
-        if op == "read_block":
+        if op == Op.READ_BLOCK:
             return (path, 4096, addr(buf), key_digest(b"k"))
         return (path, target if target is not None else good + ".kvb", 4096, addr(buf), key_digest(b"k"),
                 recycle if recycle is not None else "")
 
     cases = [(entry(""), "path is empty"), (entry(good + "\0x"), "path contains a NUL byte"),
              (entry(long_), "path is 4096 bytes, not shorter than PATH_MAX")]
-    if op in ("write", "write_block"):
+    if op in (Op.WRITE, Op.WRITE_BLOCK):
         cases.append((entry(good, target=good + "\0"), "rename target contains a NUL byte"))
-    if op == "write_block":
+    if op == Op.WRITE_BLOCK:
         cases.append((entry(good, recycle=long_), "recycle path is 4096 bytes"))
     try:
         for bad, needle in cases:
@@ -345,8 +352,41 @@ def test_paths_the_kernel_cannot_take_are_rejected_before_any_io(root, aligned, 
         e.shutdown()
 
 
+def op_type_error(what: str) -> str:
+    """The TypeError's text for an op that is not an Op member (what: "str 'read_block'")."""
+    return f"op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not {what}"
+
+
+def test_op_names_are_a_type_error(root, aligned, any_engine):
+    """Ops cross to Python as the enum only: submit with an op's name (or anything else not an
+    Op) is a TypeError naming it, and nothing is queued, run or written."""
+    buf = aligned(4096, fill=3)
+    p = os.path.join(root, "f")
+    entries = {
+        Op.READ: (p, 0, 4096, addr(buf)),
+        Op.WRITE: (p, 0, 4096, addr(buf)),
+        Op.READ_BLOCK: (p, 4096, addr(buf), key_digest(b"k")),
+        Op.WRITE_BLOCK: (p + ".t", p, 4096, addr(buf), key_digest(b"k")),
+        Op.UNLINK: p,
+    }
+    before = any_engine.stats()
+    for op, entry in entries.items():
+        name = op.name.lower()
+        for bad in (name, op.name, "Op." + op.name):
+            with pytest.raises(TypeError) as ei:
+                any_engine.submit(1, bad, [entry], direct=False)
+            assert str(ei.value) == op_type_error(f"str {bad!r}")
+    for bad, what in ((int(Op.READ), "int"), (None, "NoneType"), (b"read", "bytes")):
+        with pytest.raises(TypeError) as ei:
+            any_engine.submit(1, bad, [entries[Op.READ]], direct=False)
+        assert str(ei.value) == op_type_error(what)
+    assert any_engine.stats() == before and before["jobs_submitted"] == 0
+    assert any_engine.pending_jobs() == 0 and any_engine.poll() == [] and any_engine.wait(0) is False
+    assert os.listdir(root) == []
+
+
 def test_unknown_op_and_bad_align(engine):
-    with pytest.raises(ValueError, match="unknown op 'copy'"):
+    with pytest.raises(TypeError, match=re.escape(op_type_error("str 'copy'"))):
         run_job(engine, "copy", [])
     with pytest.raises(ValueError, match="align must be a power of two"):
         run_job(engine, Op.READ, [], align=3000)
@@ -471,7 +511,7 @@ def test_write_block_fsync(direct_root, aligned, engine):
 
 
 @pytest.mark.parametrize("kind", ["uring", "posix"])
-@pytest.mark.parametrize("op", ["write", "write_block"])
+@pytest.mark.parametrize("op", [Op.WRITE, Op.WRITE_BLOCK], ids=op_id)
 def test_failed_rename_removes_the_temporary(direct_root, aligned, kind, op):
     """The final name cannot be made (its directory is gone): the entry fails with the rename's
     errno and its written temporary is removed; the other entry lands."""
@@ -481,7 +521,7 @@ def test_failed_rename_removes_the_temporary(direct_root, aligned, kind, op):
         src = aligned(2 * size, fill=16)
         tmp = [os.path.join(direct_root, f"t{i}") for i in range(2)]
         final = [os.path.join(direct_root, "gone", "f0"), os.path.join(direct_root, "f1")]
-        if op == "write":
+        if op == Op.WRITE:
             entries = [(tmp[i], 0, size, addr(src) + i * size, final[i]) for i in range(2)]
         else:
             entries = [(tmp[i], final[i], size, addr(src) + i * size, key_digest(b"%d" % i)) for i in range(2)]
@@ -526,7 +566,7 @@ def _make_files(engine, root, src, n, size):
     return paths
 
 
-@pytest.mark.parametrize("op", ["read", "read_block"])
+@pytest.mark.parametrize("op", [Op.READ, Op.READ_BLOCK], ids=op_id)
 def test_run_batch_is_one_submit(direct_root, aligned, op):
     qd, size = 16, 64 * KiB
     e = Engine(queue_depth=qd)
@@ -537,7 +577,7 @@ def test_run_batch_is_one_submit(direct_root, aligned, op):
         paths = [os.path.join(direct_root, f"r{i}") for i in range(qd)]
         assert run_job(e, Op.WRITE_BLOCK, [(p + ".t", p, size, addr(src) + i * size, digests[i])
                                      for i, p in enumerate(paths)]) == [size] * qd
-        if op == "read":
+        if op == Op.READ:
             run_job(e, Op.WRITE, [(p, 0, size, addr(src) + i * size) for i, p in enumerate(paths)])
             entries = [(p, 0, size, addr(dst) + i * size) for i, p in enumerate(paths)]
         else:
@@ -547,7 +587,7 @@ def test_run_batch_is_one_submit(direct_root, aligned, op):
         d = delta(e.stats(), before)
         assert d["submits"] == 1
         # open, [statx of the link count, header], data, close
-        assert d["sqes"] == qd * (3 if op == "read" else 5)
+        assert d["sqes"] == qd * (3 if op == Op.READ else 5)
         assert d["jobs_submitted"] == d["jobs_finished"] == 1
         assert np.array_equal(src, dst)
     finally:
@@ -589,7 +629,7 @@ def test_jobs_from_short_lived_threads(root):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("op", ["read", "read_block", "write", "write_block"])
+@pytest.mark.parametrize("op", [Op.READ, Op.READ_BLOCK, Op.WRITE, Op.WRITE_BLOCK], ids=op_id)
 def test_submitted_job_is_one_submit(direct_root, aligned, op):
     qd, size, jobs = 16, 64 * KiB, 4
     e = Engine(queue_depth=qd * jobs)
@@ -599,28 +639,28 @@ def test_submitted_job_is_one_submit(direct_root, aligned, op):
         dst = aligned(n * size)
         paths = [os.path.join(direct_root, f"r{i}") for i in range(n)]
         digests = [key_digest(b"%d" % i) for i in range(n)]
-        if op == "read":
+        if op == Op.READ:
             _make_files(e, direct_root, src, n, size)
-        elif op == "read_block":
+        elif op == Op.READ_BLOCK:
             run_job(e, Op.WRITE_BLOCK, [(p + ".t", p, size, addr(src) + i * size, digests[i])
                                   for i, p in enumerate(paths)])
         before = e.stats()
-        mem = dst if op.startswith("read") else src
+        mem = dst if op in (Op.READ, Op.READ_BLOCK) else src
         for j in range(jobs):
             idx = range(j * qd, (j + 1) * qd)
-            if op == "read":
+            if op == Op.READ:
                 entries = [(paths[i], 0, size, addr(mem) + i * size) for i in idx]
-            elif op == "read_block":
+            elif op == Op.READ_BLOCK:
                 entries = [(paths[i], size, addr(mem) + i * size, digests[i]) for i in idx]
-            elif op == "write":
+            elif op == Op.WRITE:
                 entries = [(paths[i], 0, size, addr(mem) + i * size) for i in idx]
             else:
                 entries = [(paths[i] + ".t", paths[i], size, addr(mem) + i * size, digests[i]) for i in idx]
             e.submit(100 + j, op, entries)
         got = drain_poll(e)
-        assert got == {100 + j: (getattr(Op, op.upper()), [size] * qd, 1) for j in range(jobs)}
+        assert got == {100 + j: (op, [size] * qd, 1) for j in range(jobs)}
         d = delta(e.stats(), before)
-        if op.startswith("read"):
+        if op in (Op.READ, Op.READ_BLOCK):
             assert d["submits"] == jobs  # exactly one io_uring_submit per job
             assert np.array_equal(src, dst)
         else:
@@ -682,7 +722,7 @@ def test_poll_reports_each_job_once(root, aligned, engine):
     assert engine.wait(0) is False  # nothing pending: returns at once
     got = {}
     for i, p in enumerate(paths):
-        engine.submit(1000 + i, "write", [(p, 0, size, addr(src) + i * size)], direct=False)
+        engine.submit(1000 + i, Op.WRITE, [(p, 0, size, addr(src) + i * size)], direct=False)
     while len(got) < n:
         # wait() returns once something can be polled; False only when nothing is pending
         # either, which would mean a job was lost
@@ -708,8 +748,8 @@ def test_drain_many_jobs(root, aligned):
         assert drain_poll(e) == {i: (Op.WRITE, [size], 1) for i in range(n)}  # 1 request: 1 submit
         # reads of pairs, and an empty job (finishes at once)
         for i in range(0, n, 2):
-            e.submit(10_000 + i, "read", [(paths[i + 1], 0, size, addr(dst) + (i + 1) * size),
-                                          (paths[i], 0, size, addr(dst) + i * size)], direct=False)
+            e.submit(10_000 + i, Op.READ, [(paths[i + 1], 0, size, addr(dst) + (i + 1) * size),
+                                           (paths[i], 0, size, addr(dst) + i * size)], direct=False)
         e.submit(99_999, Op.READ, [])
         got = drain_poll(e)
         assert got.pop(99_999) == (Op.READ, [], 0)
@@ -897,9 +937,15 @@ def test_finished_job_is_tuple_compatible():
     assert (jid, op, results, rest) == (7, Op.READ_BLOCK, [4096, -2], [1, 0.5, 0.25])
     assert len(f) == 6 and f[2] == [4096, -2] and f[-1] == 0.25 and f[:2] == (7, Op.READ_BLOCK)
     assert f == (7, Op.READ_BLOCK, [4096, -2], 1, 0.5, 0.25)
-    assert _native.FinishedJob(1, "unlink", [0]).op == Op.UNLINK  # old op names, for now
-    with pytest.raises(ValueError, match="unknown op 'scan'"):
-        _native.FinishedJob(1, "scan", [])
+    assert _native.FinishedJob(1, Op.UNLINK, [0]).op == Op.UNLINK
+
+
+@pytest.mark.parametrize("bad, what", [("unlink", "str 'unlink'"), ("scan", "str 'scan'"), (4, "int")],
+                         ids=["unlink", "scan", "int"])
+def test_finished_job_takes_only_an_op(bad, what):
+    with pytest.raises(TypeError) as ei:
+        _native.FinishedJob(1, bad, [0])
+    assert str(ei.value) == op_type_error(what)
 
 
 def test_stats_keys_are_every_engines(any_engine):

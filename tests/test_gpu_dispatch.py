@@ -171,7 +171,7 @@ def write_blocks(root, n, bs=BS, seed=1):
         paths.append(p)
         digests.append(d)
         entries.append((p + ".tmp", p, bs, int(data[i].ctypes.data), d))
-    assert run_job(eng, "write_block", entries, direct=False) == [bs] * n
+    assert run_job(eng, Op.WRITE_BLOCK, entries, direct=False) == [bs] * n
     eng.shutdown()
     return paths, digests, data
 
@@ -185,7 +185,7 @@ def test_bounce_engine_round_trip_more_blocks_than_slots(root, host, aligned):
     eng = BounceEngine(h, copier, BS, bounce_slots=3, chunk_blocks=2)
     dev = aligned(n * BS).reshape(n, BS)  # the "device" arena
     entries = [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)]
-    eng.submit(7, "read_block", entries, direct=False)
+    eng.submit(7, Op.READ_BLOCK, entries, direct=False)
     eng.drain()
     (job,) = eng.poll()
     assert (job.job_id, job.op, job.results, job.submits) == (7, Op.READ_BLOCK, [BS] * n, 1)
@@ -201,17 +201,54 @@ def test_bounce_engine_round_trip_more_blocks_than_slots(root, host, aligned):
     dev2 = aligned(2 * BS, fill=9).reshape(2, BS)
     out = [os.path.join(root, f"s{i}") for i in range(2)]
     dg = [key_digest(b"s0"), key_digest(b"s1")]
-    res = run_job(eng, "write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
+    res = run_job(eng, Op.WRITE_BLOCK, [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
                                   for i in range(2)], direct=False)
     assert res == [BS, BS] and eng.copy_stats()["d2h_copies"] == 2
     back = aligned(BS)
-    assert run_job(eng, "read_block", [(out[1], BS, int(back.ctypes.data), dg[1])], direct=False) == [BS]
+    assert run_job(eng, Op.READ_BLOCK, [(out[1], BS, int(back.ctypes.data), dg[1])], direct=False) == [BS]
     assert np.array_equal(back, dev2[1])
     # unlink passes through to the host engine
-    assert run_job(eng, "unlink", [out[0], out[0] + ".missing"]) == [0, -errno.ENOENT]
+    assert run_job(eng, Op.UNLINK, [out[0], out[0] + ".missing"]) == [0, -errno.ENOENT]
     eng.shutdown()  # the host engine stays its caller's, running
-    assert run_job(h, "unlink", [out[1]]) == [0]
+    assert run_job(h, Op.UNLINK, [out[1]]) == [0]
     h.shutdown()
+
+
+@pytest.mark.parametrize("bad, what", [("read_block", "str 'read_block'"), ("write_block", "str 'write_block'"),
+                                       ("unlink", "str 'unlink'"), (3, "int")],
+                         ids=["read_block", "write_block", "unlink", "int"])
+def test_bounce_engine_takes_only_an_op(root, aligned, bad, what):
+    """BounceEngine.submit and submit_blocks refuse an op that is not an Op member (a str
+    included) with the C++ engines' TypeError, before anything: no job, no copy, no host job."""
+    h = _native.Engine(queue_depth=8)
+    copier = HostCopier()
+    eng = BounceEngine(h, copier, BS, bounce_slots=2, chunk_blocks=1)
+    try:
+        dev = aligned(2 * BS).reshape(2, BS)
+        p = os.path.join(root, "b0")
+        entries = {"read_block": [(p, BS, int(dev[0].ctypes.data), key_digest(b"k"))],
+                   "unlink": [p]}.get(bad, [(p + ".tmp", p, BS, int(dev[0].ctypes.data), key_digest(b"k"))])
+        space = _native.BlockSpace(os.path.join(root, "blocks"), BS, int(dev.ctypes.data), BS, 2)
+        d = key_digest(b"k")
+        slots = None if bad == "unlink" else np.array([0], dtype=np.int64)
+        before, copies = eng.stats(), eng.copy_stats()
+        text = f"op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not {what}"
+        with pytest.raises(TypeError) as ei:
+            eng.submit(1, bad, entries, direct=False)
+        assert str(ei.value) == text
+        with pytest.raises(TypeError) as ei:
+            eng.submit_blocks(2, bad, space, d, slots, direct=False)
+        assert str(ei.value) == text
+        with pytest.raises(TypeError) as ei:
+            run_job(eng, bad, entries, direct=False)
+        assert str(ei.value) == text
+        assert eng.stats() == before and before["jobs_submitted"] == 0
+        assert eng.copy_stats() == copies and copier.copies == 0
+        assert eng.pending_jobs() == 0 and eng.poll() == [] and h.pending_jobs() == 0
+        assert os.listdir(root) == []
+    finally:
+        eng.shutdown()
+        h.shutdown()
 
 
 class DeferredCopier(HostCopier):
@@ -258,18 +295,18 @@ def test_bounce_engine_waits_for_each_chunks_marked_copy(root, aligned):
     copier = DeferredCopier()
     eng = BounceEngine(_native.Engine(queue_depth=8), copier, BS, bounce_slots=6, chunk_blocks=3)
     dev = aligned(n * BS).reshape(n, BS)
-    res = run_job(eng, "read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)],
+    res = run_job(eng, Op.READ_BLOCK, [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(n)],
                   direct=False)
     assert res == [BS] * n and np.array_equal(dev, data)
     assert copier.markers == 4 and copier.copies == n and not copier.pending  # one marker per chunk
     dev2 = aligned(2 * BS, fill=11).reshape(2, BS)
     out = [os.path.join(root, f"w{i}") for i in range(2)]
     dg = [key_digest(b"w0"), key_digest(b"w1")]
-    assert run_job(eng, "write_block", [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
+    assert run_job(eng, Op.WRITE_BLOCK, [(out[i] + ".tmp", out[i], BS, int(dev2[i].ctypes.data), dg[i])
                                    for i in range(2)], direct=False) == [BS, BS]
     back = aligned(2 * BS).reshape(2, BS)
     h = _native.Engine(queue_depth=4)
-    assert run_job(h, "read_block", [(out[i], BS, int(back[i].ctypes.data), dg[i]) for i in range(2)],
+    assert run_job(h, Op.READ_BLOCK, [(out[i], BS, int(back[i].ctypes.data), dg[i]) for i in range(2)],
                  direct=False) == [BS, BS]
     assert np.array_equal(back, dev2)
     h.shutdown()
@@ -294,7 +331,7 @@ def test_bounce_engine_a_copy_that_fails_late(root, aligned):
 
     eng = BounceEngine(_native.Engine(queue_depth=8), Late(), BS, bounce_slots=2, chunk_blocks=2)
     dev = aligned(4 * BS).reshape(4, BS)
-    res = run_job(eng, "read_block", [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)],
+    res = run_job(eng, Op.READ_BLOCK, [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)],
                   direct=False)
     assert res == [-errno.EIO, -errno.EIO, BS, BS] and np.array_equal(dev[2:], data[2:])
     assert eng.copy_stats()["copy_failures"] == 1 and eng.copy_stats()["slots_free"] == 2
@@ -314,22 +351,22 @@ def test_bounce_engine_partial_failure_and_copy_failure(root, aligned):
     eng = BounceEngine(_native.Engine(queue_depth=8), copier, BS, bounce_slots=4, chunk_blocks=4)
     dev = aligned(4 * BS).reshape(4, BS)
     entries = [(paths[i], BS, int(dev[i].ctypes.data), digests[i]) for i in range(4)]
-    res = run_job(eng, "read_block", entries, direct=False)
+    res = run_job(eng, Op.READ_BLOCK, entries, direct=False)
     assert res[:2] == [BS, BS] and res[2] == _native.ERR_CHECKSUM and res[3] == -errno.ENOENT
     assert np.array_equal(dev[:2], data[:2])
     assert copier.copies == 2  # failed blocks are not copied to the device
 
     copier.fail_next = 1
     dev[:] = 0
-    res = run_job(eng, "read_block", entries[:2], direct=False)
+    res = run_job(eng, Op.READ_BLOCK, entries[:2], direct=False)
     assert res == [-errno.EIO, -errno.EIO] and eng.copy_stats()["copy_failures"] == 1
     assert eng.copy_stats()["slots_free"] == 4  # slots came back
-    assert run_job(eng, "read_block", entries[:1], direct=False) == [BS]
+    assert run_job(eng, Op.READ_BLOCK, entries[:1], direct=False) == [BS]
     with pytest.raises(ValueError, match="does not fit a bounce slot"):
-        eng.submit(1, "read_block", [(paths[0], 2 * BS, int(dev[0].ctypes.data), digests[0])])
+        eng.submit(1, Op.READ_BLOCK, [(paths[0], 2 * BS, int(dev[0].ctypes.data), digests[0])])
     eng.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
-        eng.submit(2, "read_block", entries[:1])
+        eng.submit(2, Op.READ_BLOCK, entries[:1])
     eng.host_engine.shutdown()
 
 
@@ -679,15 +716,19 @@ def test_gds_engine_plumbing_without_a_gpu(tmp_path):
     assert (eng.io_threads, eng.compat, eng.checksum) == (2, "on", "host")
     f = tmp_path / "x"
     f.write_bytes(b"1")
-    eng.submit(5, "unlink", [str(f), str(tmp_path / "missing")])
+    eng.submit(5, Op.UNLINK, [str(f), str(tmp_path / "missing")])
     eng.drain()
     (job,) = eng.poll()
     assert (job.job_id, job.op, job.results) == (5, Op.UNLINK, [0, -errno.ENOENT]) and not f.exists()
     host = np.zeros(BS, np.uint8)
     with pytest.raises(ValueError, match="entry 0"):
-        eng.submit(6, "read_block", [(str(f), BS, int(host.ctypes.data), key_digest(b"x"))])
-    with pytest.raises(ValueError, match="unknown op"):
-        eng.submit(7, "scan", [])
+        eng.submit(6, Op.READ_BLOCK, [(str(f), BS, int(host.ctypes.data), key_digest(b"x"))])
+    with pytest.raises(TypeError) as ei:
+        eng.submit(7, "read_block", [(str(f), BS, int(host.ctypes.data), key_digest(b"x"))])
+    assert str(ei.value) == "op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not str 'read_block'"
+    with pytest.raises(TypeError, match="not str 'unlink'"):
+        eng.submit_blocks(8, "unlink", _native.BlockSpace(str(tmp_path), BS, int(host.ctypes.data), BS, 1),
+                          key_digest(b"x"))
     s = eng.stats()
     assert s["jobs_finished"] == 1 and s["requests_failed"] == 1 and {"submits", "fixed_buffer_ios"} <= set(s)
     eng.shutdown()

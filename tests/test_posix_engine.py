@@ -170,9 +170,9 @@ def test_never_waits_on_a_fifo_and_reads_what_io_uring_reads(root, aligned, engi
     # not a regular file, read as the io_uring engine reads it
     ref = _native.Engine(queue_depth=4)
     try:
-        for path, op in [(root, "read"), ("/dev/zero", "read"), ("/dev/zero", "read_block"),
-                         ("/dev/null", "read_block")]:
-            entry = ((path, 0, 4096, addr(buf)) if op == "read"
+        for path, op in [(root, Op.READ), ("/dev/zero", Op.READ), ("/dev/zero", Op.READ_BLOCK),
+                         ("/dev/null", Op.READ_BLOCK)]:
+            entry = ((path, 0, 4096, addr(buf)) if op == Op.READ
                      else (path, 4096, addr(buf), key_digest(b"z")))
             assert run_job(engine, op, [entry], direct=False) == run_job(ref, op, [entry], direct=False), (path, op)
     finally:

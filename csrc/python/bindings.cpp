@@ -184,11 +184,11 @@ void no_check(Job&) {}
 
 const char* kSubmitDoc =
     "submit(job_id, op, entries, *, direct=True, align=4096, mem_align=0, fsync=False,\n"
-    "file_mode=0o600, verify=\"payload\"): queues a job (op: an Op) and returns at once; loads\n"
-    "(READ, READ_BLOCK) go before stores. Finished jobs are reported by poll(). Raises\n"
-    "ValueError naming the entry or keyword for a malformed entry, a misaligned\n"
-    "address/length/offset (direct=True) or a bad keyword, before anything is queued;\n"
-    "RuntimeError after shutdown().";
+    "file_mode=0o600, verify=\"payload\"): queues a job (op: an Op member; TypeError for a str or\n"
+    "anything else) and returns at once; loads (READ, READ_BLOCK) go before stores. Finished jobs\n"
+    "are reported by poll(). Raises ValueError naming the entry or keyword for a malformed\n"
+    "entry, a misaligned address/length/offset (direct=True) or a bad keyword, before anything\n"
+    "is queued; RuntimeError after shutdown().";
 
 // Checksums and the O_DIRECT probe.
 void register_checksums_and_direct_probe(py::module_& m) {
@@ -329,25 +329,25 @@ store_share: the share of a ring's slots and bytes that stores and unlinks may h
 that loads submitted during a burst of stores start at once (loads have priority).
 Thread-safe; every wait releases the GIL. name: "uring".
 
-Entry tuples per op:
-  read / write:  (path, file_offset, length, host_addr[, rename_target (write only)])
-  read_block:    (path, payload_length, host_addr, key_digest: 16 bytes)
-  write_block:   (tmp_path, final_path, payload_length, host_addr, key_digest: 16 bytes
+Entry tuples per op (an Op member, e.g. Op.READ_BLOCK; a str is a TypeError):
+  READ / WRITE:  (path, file_offset, length, host_addr[, rename_target (WRITE only)])
+  READ_BLOCK:    (path, payload_length, host_addr, key_digest: 16 bytes)
+  WRITE_BLOCK:   (tmp_path, final_path, payload_length, host_addr, key_digest: 16 bytes
                   [, recycle_path]): recycle_path, if not "", names an evicted block file of
                   the same size that is renamed to tmp_path and overwritten instead of
                   creating tmp_path (unlinked afterwards if it cannot be renamed)
-  unlink:        path
+  UNLINK:        path
 Results: per entry, bytes moved, -errno, or a BlockError value (block verification).
 verify (submit keyword): "payload" (default: stores write the payload's XXH3, loads check it) or
 "header" (header, key digest and length only; stored as a format-2 header flagged 'no payload
 checksum', which a "payload" reader loads on its header checks, counted in
 stats()["loads_unchecked_payload"]).
 
-Block files (read_block, write_block, their rename targets and recycle paths) and unlinks
+Block files (READ_BLOCK, WRITE_BLOCK, their rename targets and recycle paths) and unlinks
 follow no symbolic link anywhere in their paths (openat2 RESOLVE_NO_SYMLINKS |
 RESOLVE_NO_MAGICLINKS): a link fails the entry with -ELOOP; pass paths without links (DiskTier
-resolves its root with realpath). Raw read/write open as open(2) does. A read_block of a
-regular file with more than one hard link fails -EMLINK. A failed read_block whose file was
+resolves its root with realpath). Raw READ/WRITE open as open(2) does. A READ_BLOCK of a
+regular file with more than one hard link fails -EMLINK. A failed READ_BLOCK whose file was
 opened leaves zeros in its destination, never the bytes read. A short read is re-read from
 where it ended: the result is then the real error (-EIO) or ERR_SHORT at the end of the file.
 file_mode (default 0o600): the exact permission bits of the temporaries a job creates (set

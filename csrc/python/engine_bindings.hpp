@@ -3,12 +3,13 @@
 // the one model, the submit keywords, and def_engine(), which binds the interface's methods the
 // same way for every engine. Only files under python/ (and gds_bindings.cpp) touch Python objects.
 //
-// Entries per op (addr: host or device memory, as the engine moves it):
-//   read / write:  (path, file_offset, length, addr[, rename_target (write only)])
-//   read_block:    (path, payload_length, addr, key_digest: 16 bytes)
-//   write_block:   (tmp_path, final_path, payload_length, addr, key_digest: 16 bytes
+// Entries per op (an Op member; a str is a TypeError. addr: host or device memory, as the
+// engine moves it):
+//   READ / WRITE:  (path, file_offset, length, addr[, rename_target (WRITE only)])
+//   READ_BLOCK:    (path, payload_length, addr, key_digest: 16 bytes)
+//   WRITE_BLOCK:   (tmp_path, final_path, payload_length, addr, key_digest: 16 bytes
 //                   [, recycle_path: an evicted block file to reuse, or ""])
-//   unlink:        path, or (path,)
+//   UNLINK:        path, or (path,)
 // submit_blocks builds the same requests from a BlockSpace (pykvtier/block_space.hpp), key
 // digests and slots, without entry tuples.
 //
@@ -65,16 +66,13 @@ inline void check_path(size_t i, const std::string& entry_path, const char* what
                                    " bytes, not shorter than PATH_MAX (4096)");
 }
 
-// An Op, or (until every caller passes Op) its name: "read", "write", "read_block",
-// "write_block", "unlink". ValueError otherwise.
+// op as an Op; TypeError for anything else, a str included ("op must be a pykvtier._native.Op
+// (e.g. Op.READ_BLOCK), not str 'read_block'"): ops cross to Python as the enum only.
 inline Op op_from_object(py::handle op) {
   if (py::isinstance<Op>(op)) return op.cast<Op>();
-  if (!py::isinstance<py::str>(op))
-    throw py::type_error("op must be a pykvtier._native.Op, not " + type_name(op));
-  const std::string s = op.cast<std::string>();
-  for (Op o : {Op::Read, Op::Write, Op::ReadBlock, Op::WriteBlock, Op::Unlink})
-    if (s == op_name(o)) return o;
-  throw py::value_error("unknown op '" + s + "': expected read, write, read_block, write_block or unlink");
+  std::string what = type_name(op);
+  if (py::isinstance<py::str>(op)) what += " " + std::string(py::repr(op));
+  throw py::type_error("op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not " + what);
 }
 
 inline Verify verify_from_name(const std::string& s) {
@@ -98,7 +96,7 @@ inline void need(size_t i, const py::tuple& t, size_t k, Op op) {
                           " items for op '" + op_name(op) + "', got " + std::to_string(t.size()));
 }
 
-// One tuple entry of a read / write / read_block / write_block job into r.
+// One tuple entry of a READ / WRITE / READ_BLOCK / WRITE_BLOCK job into r.
 inline void parse_tuple(size_t i, Op op, const py::tuple& t, Request& r, bool recycles) {
   switch (op) {
     case Op::Read:
@@ -150,7 +148,7 @@ inline void check_request(size_t i, Op op, const Request& r, const char* addr_ki
 }
 
 // Fills job.reqs from entries (job.op set), checking each entry's shape and check_request.
-// recycles: whether the engine takes write_block's recycle_path. Raises ValueError naming the
+// recycles: whether the engine takes WRITE_BLOCK's recycle_path. Raises ValueError naming the
 // entry; nothing is queued then.
 inline void parse_entries(Job& job, const py::sequence& entries, const char* addr_kind, bool recycles) {
   const size_t n = py::len(entries);

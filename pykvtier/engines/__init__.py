@@ -25,14 +25,12 @@ STATS_KEYS: tuple[str, ...] = tuple(_native.STATS_KEYS)
 
 
 def as_op(op: Any) -> Any:
-    """``op`` as an :data:`Op` (an ``Op`` or its lower-case name); ValueError naming it else."""
+    """``op`` itself if it is an :data:`Op` member; TypeError otherwise, a str included (ops
+    cross to Python as the enum only), with the message the C++ engines raise."""
     if isinstance(op, Op):
         return op
-    if isinstance(op, str):
-        member = Op.__members__.get(op.upper())
-        if member is not None:
-            return member
-    raise ValueError(f"unknown op {op!r}: expected read, write, read_block, write_block or unlink")
+    what = type(op).__name__ + (f" {op!r}" if isinstance(op, str) else "")
+    raise TypeError(f"op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not {what}")
 
 
 def make_host_engine(name: str, queue_depth: int, max_inflight_bytes: int) -> Any:
@@ -54,11 +52,12 @@ class Engine(Protocol):
     """What DiskTier and the tools need of an engine.
 
     ``name``: "uring", "posix", "bounce+uring", "bounce+posix", "gds", "kvikio-compat".
-    ``submit`` queues a job (``op``: a ``pykvtier._native.Op``; ``entries``: the op's entry
-    tuples; ``verify``: "payload" or "header") and never blocks on its I/O. ``poll`` returns the
-    jobs finished since the last call (``pykvtier._native.FinishedJob``: job_id, op, results,
-    submits, queued_s, transfer_s), each once; ``wait(timeout_s)`` blocks, GIL released, until
-    ``poll`` has something or nothing is pending (True if ``poll`` has something); ``drain``
+    ``submit`` queues a job (``op``: a ``pykvtier._native.Op`` member, TypeError for a str;
+    ``entries``: the op's entry tuples; ``verify``: "payload" or "header") and never blocks on
+    its I/O. ``poll`` returns the jobs finished since the last call
+    (``pykvtier._native.FinishedJob``: job_id, op, results, submits, queued_s, transfer_s), each
+    once; ``wait(timeout_s)`` blocks, GIL released, until ``poll`` has something or nothing is
+    pending (True if ``poll`` has something); ``drain``
     blocks until every submitted job finished (results stay for ``poll``). ``stats`` has exactly
     the keys ``pykvtier._native.STATS_KEYS``. Thread-safe.
 
@@ -117,7 +116,10 @@ def run_job(engine: Engine, op: Any, entries: Sequence[tuple], *, keep: list | N
 
     Other jobs polled meanwhile are appended to ``keep``; without ``keep`` they raise
     :class:`ForeignJobs` (carrying them) once this job finished. Raises what ``submit`` raises
-    (bad op or entries) before anything is queued. Any thread that owns ``engine``'s polling."""
+    (bad entries) before anything is queued, and TypeError for an ``op`` that is not an
+    :data:`Op` member (a str included) before calling it. Any thread that owns ``engine``'s
+    polling."""
+    as_op(op)
     job_id = next(_ids)
     engine.submit(job_id, op, entries, **submit_kw)
     others: list = []

@@ -5,7 +5,7 @@ Where GPUDirect Storage is not usable, a load into a device arena goes disk -> p
 host as for any host load) -> device slot (a host-to-device copy on a side CUDA stream). A job is
 cut into chunks of ``chunk_blocks`` blocks, each its own host-engine job, so the copies of one
 chunk overlap the reads of the next. A store runs the other way: device slot -> pinned slot (after
-the work queued so far on the caller's current stream) -> write_block.
+the work queued so far on the caller's current stream) -> a WRITE_BLOCK host job.
 
 :class:`BounceEngine` satisfies :class:`pykvtier.engines.Engine` (entries carry device
 addresses). The device side is a :class:`Copier`: :class:`TorchCopier` on a GPU,
@@ -239,8 +239,9 @@ class BounceEngine:
     def submit(self, job_id: int, op: Any, entries, direct: bool = True, align: int = 4096,
                mem_align: int = 0, fsync: bool = False, file_mode: int = 0o600,
                verify: str = "payload") -> None:
-        """As a host engine's submit; ValueError for an unknown op, a malformed entry or one
-        longer than a bounce slot; RuntimeError once shut down."""
+        """As a host engine's submit; TypeError for an op that is not an ``Op`` member (a str
+        included), ValueError for a malformed entry or one longer than a bounce slot;
+        RuntimeError once shut down."""
         op = as_op(op)
         entries = list(entries)
         io = dict(direct=direct, align=align, mem_align=mem_align, fsync=fsync, file_mode=file_mode)
