@@ -708,6 +708,8 @@ class RootLock:
     """A held flock on ``ROOT/.pykvtier.lock`` (shared or exclusive), held until
     :meth:`release` (or the object is collected). The lock file is never removed."""
 
+    _fd: int | None = None  # (before __init__ sets it: a signal may interrupt it; __del__ runs)
+
     def __init__(self, root: str, fd: int, shared: bool) -> None:
         self.root = root
         self.path = os.path.join(root, LOCK_NAME)
