@@ -631,8 +631,10 @@ def test_jobs_from_short_lived_threads(root):
 
 @pytest.mark.parametrize("op", [Op.READ, Op.READ_BLOCK, Op.WRITE, Op.WRITE_BLOCK], ids=op_id)
 def test_submitted_job_is_one_submit(direct_root, aligned, op):
+    """Jobs that fit the ring (stores: its store share, half the slots) go to the kernel in one
+    io_uring_submit each."""
     qd, size, jobs = 16, 64 * KiB, 4
-    e = Engine(queue_depth=qd * jobs)
+    e = Engine(queue_depth=qd * jobs * (2 if op in (Op.WRITE, Op.WRITE_BLOCK) else 1))
     try:
         n = qd * jobs
         src = aligned(n * size, fill=17)
@@ -669,6 +671,35 @@ def test_submitted_job_is_one_submit(direct_root, aligned, op):
             for i, p in enumerate(paths):
                 raw = file_bytes(p)
                 assert raw[-size:] == src[i * size : (i + 1) * size].tobytes()
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("op", [Op.WRITE, Op.WRITE_BLOCK], ids=op_id)
+def test_store_jobs_beyond_the_store_share_stream_in_batches(direct_root, aligned, op):
+    """Store jobs of the whole store share each (32 slots of a 64-deep ring): the next one does not
+    wait for the ring to drain, it streams in batches of at least a quarter of the share (8
+    requests) per io_uring_submit: at most 32 / 8 = 4 submits a job, and every byte lands."""
+    qd, size, jobs = 32, 16 * KiB, 6
+    e = Engine(queue_depth=2 * qd)
+    try:
+        n = qd * jobs
+        src = aligned(n * size, fill=23)
+        paths = [os.path.join(direct_root, f"s{i}") for i in range(n)]
+        for j in range(jobs):
+            idx = range(j * qd, (j + 1) * qd)
+            if op == Op.WRITE:
+                entries = [(paths[i], 0, size, addr(src) + i * size) for i in idx]
+            else:
+                entries = [(paths[i] + ".t", paths[i], size, addr(src) + i * size,
+                            key_digest(b"%d" % i)) for i in idx]
+            e.submit(200 + j, op, entries)
+        got = drain_poll(e)
+        assert {j: (o, res) for j, (o, res, _) in got.items()} == {
+            200 + j: (op, [size] * qd) for j in range(jobs)}
+        assert all(1 <= sub <= 4 for _, _, sub in got.values()), got
+        for i, p in enumerate(paths):
+            assert file_bytes(p)[-size:] == src[i * size:(i + 1) * size].tobytes()
     finally:
         e.shutdown()
 

@@ -186,10 +186,21 @@ bool Ring::has_capacity(uint64_t len, bool store) const {
   return used + len <= byte_budget(store);
 }
 
+bool Ring::store_batch_ready(const Job& job) const {
+  // A batch of a store job's requests: its remaining ones, at most a quarter of the store slots.
+  const unsigned budget = slot_budget(true);
+  const size_t want = std::min<size_t>(job.reqs.size() - job.next, std::max(1u, budget / 4));
+  if (want > free_slots_.size() || inflight_stores_ + want > budget) return false;
+  return has_capacity(job.op == Op::Unlink ? 0 : job.reqs[job.next].length, true);
+}
+
 bool Ring::can_take_whole(const Job& job) const {
-  // One io_uring_submit per job: admit a job when all its requests fit. A job that can never
-  // fit whole streams through the ring, admitted as soon as its first request fits.
+  // A load: one io_uring_submit per job, admitted when all its requests fit (a job that can never
+  // fit whole streams through the ring, admitted as soon as its first request fits). A store or
+  // unlink streams in batches (store_batch_ready): the ring never drains between store jobs, and
+  // a store takes one io_uring_submit per quarter of the store slots at most.
   const bool store = op_is_write(job.op);
+  if (store) return store_batch_ready(job);
   uint64_t bytes = 0;
   if (job.op != Op::Unlink)
     for (const auto& r : job.reqs) bytes += r.length;
@@ -1019,7 +1030,9 @@ void UringEngine::worker_main(unsigned idx) {
     }
     // First continue partly issued jobs, then take new ones.
     for (auto& j : active) {
-      if (j->next < j->reqs.size() && ring->issue(*j) > 0) ring->submit(0);
+      if (j->next < j->reqs.size() && (!op_is_write(j->op) || ring->store_batch_ready(*j)) &&
+          ring->issue(*j) > 0)
+        ring->submit(0);
     }
     take_jobs(*ring, active, idx);
     bool stop;

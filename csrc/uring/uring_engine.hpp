@@ -90,6 +90,7 @@ class Ring {
 
   unsigned inflight() const { return inflight_; }
   bool can_take_whole(const Job& job) const;
+  bool store_batch_ready(const Job& job) const;  // a store job's next batch fits (see .cpp)
 
  private:
   static constexpr uint8_t kNoErrorStage = 0xff;
