@@ -96,9 +96,10 @@ class DiskTierConfig:
     recycle: bool = _opt(
         True, "a store that needs room takes over the evicted block's file instead of unlinking "
               "it and creating one; never with `shared`, `fsync` or device arenas")
-    mode: int = _opt(0o600, "permission bits of the files the tier creates; its directories "
-                            "get the matching x bits (0o640 -> 0o750). Within 0o666, owner read "
-                            "and write set", "`0o600`")
+    mode: int = _opt(0o600, "permission bits of the files the tier creates (an int, or octal "
+                            "digits as chmod takes them: `\"640\"`); its directories get the "
+                            "matching x bits (0o640 -> 0o750). Within 0o666, owner read and write "
+                            "set", "`0o600`")
     quarantine_max_files: int = _opt(
         QUARANTINE_MAX_FILES, "entries kept in `ROOT/quarantine/`; the oldest are removed "
                               "past it")

@@ -64,6 +64,7 @@ logger = logging.getLogger("pykvtier")
 HEADER_BYTES: int = _native.HEADER_BYTES
 BLOCK_SUFFIX = ".kvb"
 TMP_MARK = ".tmp."
+_OCTAL_MODE = re.compile(r"(?:0[oO]?)?([0-7]{1,4})")  # check_file_mode's string spelling
 _BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb")  # a block file's name (Layout.block_path)
 _PID_MAX = (1 << 22)  # Linux's PID_MAX_LIMIT: a larger number in a temporary's name is no pid
 ROOT_MARKER = "pykvtier-root.json"
@@ -86,8 +87,16 @@ key_digest = _native.key_digest
 
 
 def check_file_mode(mode: object, what: str = "mode") -> int:
-    """``mode`` as the permission bits of block files: an int with no bits outside 0o666 and
-    owner read+write set (0o600, 0o640, 0o660...). TypeError/ValueError naming ``what``."""
+    """``mode`` as the permission bits of block files: an int, or a string of octal digits as
+    chmod takes them ("640", "0640", "0o640": a config file's spelling), with no bits outside
+    0o666 and owner read+write set (0o600, 0o640, 0o660...). TypeError/ValueError naming
+    ``what``."""
+    if isinstance(mode, str):
+        m = _OCTAL_MODE.fullmatch(mode)
+        if m is None:
+            raise ValueError(f"{what} must be file permission bits, an int or a string of octal "
+                             f"digits such as \"640\", got {mode!r}")
+        mode = int(m.group(1), 8)
     if isinstance(mode, bool) or not isinstance(mode, int):
         raise TypeError(f"{what} must be an int of permission bits (e.g. 0o600), "
                         f"not {type(mode).__name__}")

@@ -233,13 +233,24 @@ def test_stored_block_files_get_the_file_mode(root, make_tier, arena, engine, mo
     assert mode_of(tier.layout.block_path(key_digest(b"m"))) == mode
 
 
-@pytest.mark.parametrize("bad,exc", [("0o600", TypeError), (1.5, TypeError), (True, TypeError),
+@pytest.mark.parametrize("bad,exc", [(b"0o600", TypeError), (1.5, TypeError), (True, TypeError),
                                      (0o700, ValueError), (0o200, ValueError), (0o400, ValueError),
-                                     (0o1600, ValueError), (-1, ValueError)])
+                                     (0o1600, ValueError), (-1, ValueError), ("+6_00", ValueError),
+                                     (" 600 ", ValueError), ("0o700", ValueError), ("64a", ValueError)])
 def test_mode_option_is_checked(root, bad, exc):
     with pytest.raises(exc, match=r"^mode must be"):
         DiskTier(os.path.join(root, "t"), BS, mode=bad)
     assert os.listdir(root) == []  # nothing created
+
+
+@pytest.mark.parametrize("given", ["640", "0640", "0o640", "0O640", 0o640])
+def test_mode_as_chmod_spells_it(root, given):
+    """A config file's octal string is the mode chmod would take (as the vLLM adapter's)."""
+    tier = DiskTier(os.path.join(root, "t"), BS, mode=given)
+    try:
+        assert tier.config.mode == 0o640 and tier.file_mode == 0o640
+    finally:
+        tier.shutdown()
 
 
 # ------------------------------------------------------------------------- item 11: marker

@@ -216,14 +216,7 @@ def _check_number(key: str, v: Any, kind: type) -> Any:
 
 def _check_mode(v: Any) -> int:
     """``mode``: file permission bits, an int (0o640 in Python, 416 in JSON) or a string of
-    octal digits ("640", "0o640", "0640"); see DiskTier(mode=)."""
-    given = v
-    if isinstance(v, str):
-        try:
-            v = int(v.strip().removeprefix("0o").removeprefix("0O") or "x", 8)
-        except ValueError:
-            raise ValueError(f"PyKVTier: mode must be file permission bits, an int or a string "
-                             f"of octal digits such as \"640\", got {given!r}") from None
+    octal digits ("640", "0o640", "0640"); see DiskTier(mode=) (layout.check_file_mode)."""
     try:
         return check_file_mode(v, "mode")
     except (TypeError, ValueError) as exc:
