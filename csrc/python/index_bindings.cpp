@@ -173,6 +173,19 @@ int64_t slot_of(PyObject* o, const std::string& job) {
   throw py::value_error(job + "slot " + shown + " outside the arena (0.." + std::to_string(num_slots - 1) + ")");
 }
 
+// The n integers of type T at base, step bytes apart, into out; ValueError naming the job for one
+// outside [0, num_slots).
+template <typename T>
+void read_int_items(const char* base, Py_ssize_t step, size_t n, uint64_t num_slots, const std::string& job,
+                    int64_t* out) {
+  for (size_t i = 0; i < n; ++i) {
+    T x;
+    std::memcpy(&x, base + Py_ssize_t(i) * step, sizeof x);
+    if (uint64_t(x) >= num_slots) slot_outside(job, std::to_string(x), num_slots);  // (negatives too)
+    out[i] = int64_t(x);
+  }
+}
+
 // A job's slot ids into out (n of them; ValueError naming the job for another count or a slot outside
 // [0, num_slots)): a one-dimensional buffer of integers (a numpy integer array) read in place, any other
 // sequence item by item.
@@ -195,21 +208,19 @@ void read_slots(py::handle slots, size_t n, uint64_t num_slots, const std::strin
                               " slot_ids");
       const bool is_signed = std::islower(static_cast<unsigned char>(f[0])) != 0;
       const auto* base = static_cast<const char*>(b.view.buf);
-      for (size_t i = 0; i < n; ++i) {
-        const char* p = base + Py_ssize_t(i) * b.view.strides[0];
-        uint64_t u = 0;
-        bool neg = false;
-        switch (b.view.itemsize) {
-          case 1: { int8_t x; std::memcpy(&x, p, 1); neg = is_signed && x < 0; u = is_signed ? uint64_t(int64_t(x)) : uint64_t(uint8_t(x)); break; }
-          case 2: { int16_t x; std::memcpy(&x, p, 2); neg = is_signed && x < 0; u = is_signed ? uint64_t(int64_t(x)) : uint64_t(uint16_t(x)); break; }
-          case 4: { int32_t x; std::memcpy(&x, p, 4); neg = is_signed && x < 0; u = is_signed ? uint64_t(int64_t(x)) : uint64_t(uint32_t(x)); break; }
-          case 8: { int64_t x; std::memcpy(&x, p, 8); neg = is_signed && x < 0; u = uint64_t(x); break; }
-          default: throw py::type_error(job + "slot_ids: an integer buffer of " + std::to_string(b.view.itemsize) +
-                                        "-byte items is not supported");
-        }
-        if (neg || u >= num_slots)
-          slot_outside(job, neg ? std::to_string(int64_t(u)) : std::to_string(u), num_slots);
-        out[i] = int64_t(u);
+      const Py_ssize_t step = b.view.strides[0];
+      switch (b.view.itemsize) {
+        case 1: return is_signed ? read_int_items<int8_t>(base, step, n, num_slots, job, out)
+                                 : read_int_items<uint8_t>(base, step, n, num_slots, job, out);
+        case 2: return is_signed ? read_int_items<int16_t>(base, step, n, num_slots, job, out)
+                                 : read_int_items<uint16_t>(base, step, n, num_slots, job, out);
+        case 4: return is_signed ? read_int_items<int32_t>(base, step, n, num_slots, job, out)
+                                 : read_int_items<uint32_t>(base, step, n, num_slots, job, out);
+        case 8: return is_signed ? read_int_items<int64_t>(base, step, n, num_slots, job, out)
+                                 : read_int_items<uint64_t>(base, step, n, num_slots, job, out);
+        default:
+          throw py::type_error(job + "slot_ids: an integer buffer of " + std::to_string(b.view.itemsize) +
+                               "-byte items is not supported");
       }
       return;
     }
