@@ -102,36 +102,34 @@ def test_missing_root_probes_its_parent_and_no_gpu(tmp_path, capsys):
 _ROOT_FS = {"mount": "/", "fstype": "ext4", "source": "/dev/vda"}
 
 
+def _under_mount_dir(path: str, top: str, exists: bool = False) -> str:
+    """doctor's warning for a root under a mount-point directory with nothing mounted there."""
+    return (f"{path} is under {top}, where devices are mounted, but nothing is mounted on the way "
+            f"to it: the root {'is' if exists else 'would be created'} on the file system of / (ext4 "
+            "on /dev/vda); mount the device first, or pass the root you meant")
+
+
+def _new_tree(first_missing: str) -> str:
+    """doctor's warning for a root whose parents are missing too (a new tree on /)."""
+    return (f"{first_missing} does not exist: the tier would create it and the directories below it "
+            f"on the file system of / (ext4 on /dev/vda); if a device should be mounted at "
+            f"{first_missing}, mount it first")
+
+
 @pytest.mark.parametrize("path,exists,probe_dir,mount,warning", [
     # the first missing component is a mount point by convention: nothing is mounted there
-    ("/mnt/nvme0/kv", False, "/mnt", _ROOT_FS,
-     "/mnt/nvme0/kv is under /mnt, where devices are mounted, but nothing is mounted on the way to it: "
-     "the root would be created on the file system of / (ext4 on /dev/vda); mount the device first, "
-     "or pass the root you meant"),
+    ("/mnt/nvme0/kv", False, "/mnt", _ROOT_FS, _under_mount_dir("/mnt/nvme0/kv", "/mnt")),
     # the mount point's directory exists (fstab's), the device is not mounted on it
-    ("/mnt/nvme0/kv", False, "/mnt/nvme0", _ROOT_FS,
-     "/mnt/nvme0/kv is under /mnt, where devices are mounted, but nothing is mounted on the way to it: "
-     "the root would be created on the file system of / (ext4 on /dev/vda); mount the device first, "
-     "or pass the root you meant"),
+    ("/mnt/nvme0/kv", False, "/mnt/nvme0", _ROOT_FS, _under_mount_dir("/mnt/nvme0/kv", "/mnt")),
     # a root made there earlier, while the device was not mounted
     ("/media/usb/kv", True, "/media/usb/kv", _ROOT_FS,
-     "/media/usb/kv is under /media, where devices are mounted, but nothing is mounted on the way to it: "
-     "the root is on the file system of / (ext4 on /dev/vda); mount the device first, or pass the root "
-     "you meant"),
+     _under_mount_dir("/media/usb/kv", "/media", exists=True)),
     ("/run/media/me/disk/kv", False, "/run/media/me", _ROOT_FS,
-     "/run/media/me/disk/kv is under /run/media, where devices are mounted, but nothing is mounted on the "
-     "way to it: the root would be created on the file system of / (ext4 on /dev/vda); mount the device "
-     "first, or pass the root you meant"),
+     _under_mount_dir("/run/media/me/disk/kv", "/run/media")),
     # missing parents: a new tree on /
-    ("/nonexist/a/b/kv", False, "/", _ROOT_FS,
-     "/nonexist does not exist: the tier would create it and the directories below it on the file system "
-     "of / (ext4 on /dev/vda); if a device should be mounted at /nonexist, mount it first"),
-    ("/data/kv", False, "/", _ROOT_FS,
-     "/data does not exist: the tier would create it and the directories below it on the file system "
-     "of / (ext4 on /dev/vda); if a device should be mounted at /data, mount it first"),
-    ("/var/tmp/a/kv", False, "/var/tmp", _ROOT_FS,
-     "/var/tmp/a does not exist: the tier would create it and the directories below it on the file "
-     "system of / (ext4 on /dev/vda); if a device should be mounted at /var/tmp/a, mount it first"),
+    ("/nonexist/a/b/kv", False, "/", _ROOT_FS, _new_tree("/nonexist")),
+    ("/data/kv", False, "/", _ROOT_FS, _new_tree("/data")),
+    ("/var/tmp/a/kv", False, "/var/tmp", _ROOT_FS, _new_tree("/var/tmp/a")),
     # only the root itself is missing, or it exists, outside /mnt and /media: no warning
     ("/var/tmp/kv", False, "/var/tmp", _ROOT_FS, None),
     ("/var/tmp/kv", True, "/var/tmp/kv", _ROOT_FS, None),
