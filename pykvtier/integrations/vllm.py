@@ -621,9 +621,7 @@ class PyKVTier(SecondaryTierManager):
                 rs.append(r)
                 ds.append(d)
             try:  # the rows, across the shards: refused when another job in flight races in one
-                claimed = (chunk_ids.astype(np.int64).tobytes()
-                           if isinstance(chunk_ids, np.ndarray) and chunk_ids.dtype.kind in "iu"
-                           else np.asarray(rows, np.int64).tobytes())
+                claimed = np.asarray(rows, np.int64).tobytes()
                 self._claims.claim(job_id, claimed, is_load)
             except (ValueError, TypeError, OverflowError) as exc:
                 logger.error("pykvtier: %s job %d (%d keys) not submitted: %s",
