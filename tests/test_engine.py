@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 import re
 import struct
 import subprocess
@@ -701,6 +702,40 @@ def test_store_jobs_beyond_the_store_share_stream_in_batches(direct_root, aligne
         for i, p in enumerate(paths):
             assert file_bytes(p)[-size:] == src[i * size:(i + 1) * size].tobytes()
     finally:
+        e.shutdown()
+
+
+def test_a_store_job_does_not_wait_for_the_previous_one_to_drain(tmp_path, aligned):
+    """Job A: 32 writes (the whole store share of a 64-deep ring), one of them into a FIFO with no
+    reader, so A cannot finish; job B: 32 writes of plain files. B streams in beside A's last
+    request and finishes while A is still blocked (admitted only whole, B would wait for A)."""
+    qd, size = 32, 4096
+    e = Engine(queue_depth=2 * qd)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    src = aligned(2 * qd * size, fill=5)
+    paths = [str(tmp_path / f"w{i}") for i in range(2 * qd)]
+    paths[qd - 1] = str(fifo)  # A's last entry
+    released = False
+    try:
+        for j in range(2):
+            e.submit(300 + j, Op.WRITE, [(paths[i], 0, size, addr(src) + i * size)
+                                         for i in range(j * qd, (j + 1) * qd)], direct=False)
+        got = {}
+        deadline = time.monotonic() + 60  # (a bound on a failure, not a synchronization)
+        while 301 not in got and time.monotonic() < deadline:
+            e.wait(1.0)
+            got.update((f.job_id, list(f.results)) for f in e.poll())
+        assert got == {301: [size] * qd}  # B done, A still blocked on the FIFO
+        with open(fifo, "rb") as reader:  # A's write gets its reader: A finishes
+            released = True
+            e.drain()
+            assert reader.read() == src[(qd - 1) * size:qd * size].tobytes()
+        assert {f.job_id: list(f.results) for f in e.poll()} == {300: [size] * qd}
+    finally:
+        if not released:
+            with open(fifo, "rb") as reader:
+                reader.read()
         e.shutdown()
 
 
