@@ -243,7 +243,7 @@ def test_mode_option_is_checked(root, bad, exc):
     assert os.listdir(root) == []  # nothing created
 
 
-@pytest.mark.parametrize("given", ["640", "0640", "0o640", "0O640", 0o640])
+@pytest.mark.parametrize("given", ["640", "0640", "000640", "0o640", "0O640", 0o640])
 def test_mode_as_chmod_spells_it(root, given):
     """A config file's octal string is the mode chmod would take (as the vLLM adapter's)."""
     tier = DiskTier(os.path.join(root, "t"), BS, mode=given)

@@ -1028,9 +1028,16 @@ void UringEngine::worker_main(unsigned idx) {
       reported_generation = ring->buffers_generation();
       report_buffers(idx, reported_generation);
     }
-    // First continue partly issued jobs, then take new ones.
+    // First continue partly issued jobs, then take new ones; a partly issued store waits while a
+    // load is queued (the load takes the slots its completions free: loads go first).
+    bool load_queued;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      load_queued = !loads_.empty();
+    }
     for (auto& j : active) {
-      if (j->next < j->reqs.size() && (!op_is_write(j->op) || ring->store_batch_ready(*j)) &&
+      const bool store = op_is_write(j->op);
+      if (j->next < j->reqs.size() && (!store || (!load_queued && ring->store_batch_ready(*j))) &&
           ring->issue(*j) > 0)
         ring->submit(0);
     }
