@@ -36,6 +36,10 @@ fi
 # vLLM's own dependency tree (a CUDA torch and GPU kernels). Pins: requirements-vllm.txt.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q --no-deps -r requirements-vllm.txt
+# SGLang, for the HiCache backend's tests (tests/test_sglang.py) and bench/vs_sglang_file.py:
+# SGLang and what its mem_cache modules and cache controllers import, without its dependency
+# tree (pins agree with vLLM's: one venv). Pins and the torchvision note: requirements-sglang.txt.
+.venv/bin/python -m pip install -q --no-deps -r requirements-sglang.txt
 # Check the installed package (from / so that the source tree does not shadow it).
 venv_python="$PWD/.venv/bin/python"
 (cd / && "$venv_python" -c "import pykvtier, pykvtier._native, pykvtier._uring; print('setup: pykvtier', pykvtier.__version__, 'ready in .venv')")
@@ -45,3 +49,9 @@ if ! vllm_check=$(cd / && "$venv_python" -c "import vllm, pykvtier.integrations.
   exit 1
 fi
 echo "$vllm_check" | tail -n 1
+# SGLang's config modules import torchvision (CUDA-only on PyPI): the same placeholder the tests use.
+if ! sglang_check=$(cd / && "$venv_python" -c "import sys; sys.path.insert(0, '$PWD/tests'); import sglang_torchvision_stub; sglang_torchvision_stub.install(); import sglang, sglang.srt.mem_cache.hicache_storage, pykvtier.integrations.sglang; print('setup: SGLang', sglang.__version__, 'ready for pykvtier.integrations.sglang')" 2>&1); then
+  echo "$sglang_check" >&2
+  exit 1
+fi
+echo "$sglang_check" | tail -n 1

@@ -1,0 +1,850 @@
+"""pykvtier as a storage backend of SGLang's hierarchical cache (HiCache).
+
+SGLang (0.5.23 is the reference) loads it from config alone, no patch to SGLang::
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+      --hicache-storage-backend dynamic \\
+      --hicache-storage-backend-extra-config '{"backend_name": "pykvtier",
+        "module_path": "pykvtier.integrations.sglang", "class_name": "PyKVTierHiCache",
+        "interface_v1": 1, "root_dir": ["/mnt/nvme0/kv", "/mnt/nvme1/kv"],
+        "capacity_bytes": 1000000000000}'
+
+SGLang's ``StorageBackendFactory`` imports this module and builds the class as
+``cls(storage_config, kwargs)`` (``storage_config.extra_config`` is the JSON above; ``kwargs``
+is ``{}``), then hands it the host memory pool (``register_mem_pool_host``). The options are the
+fields of :class:`PyKVTierHiCacheConfig`; an unknown key is an error naming it.
+
+How it maps onto pykvtier (docs/design.md, "SGLang HiCache"):
+
+- A page (``page_size`` tokens of every layer) is stored as block files of one
+  :class:`~pykvtier.tier.DiskTier` per root; a key's shard is chosen from its block's digest.
+  Where the pool's layout keeps a page in at most two contiguous, 4096-aligned regions
+  (``page_first``, ``page_first_direct``, ``page_head``: ``is_stride_page_aligned()``), the
+  pool's own memory is every tier's arena, registered once as io_uring fixed buffers: a page
+  of an MHA model is two blocks (its K and its V region), of an MLA model one, moved by
+  address with O_DIRECT, no copy (``zero_copy``). Else (``layer_first``, unaligned pages, the
+  legacy tensor methods) a page is one block in SGLang's flat page order, moved through a
+  page-aligned staging arena of ``staging_pages`` slots and copied to or from the pool by the
+  pool's own ``get_data_page`` / ``set_from_flat_data_page``.
+- Blocks live in a namespace directory per model, pool kind, layout, dtype, page geometry and
+  rank (``ROOT/pykvtier-sglang/<model>_<hash>``): two models or layouts sharing a root never
+  see each other's pages. An MLA model's ranks share one directory (its pages are the same on
+  every rank; only the writer rank stores, as ``HiCacheStorageConfig.is_storage_writer``), so
+  with more than one rank its tiers are opened ``shared``.
+- Threads: SGLang calls ``batch_exists`` (prefetch thread), gets (prefetch I/O thread) and sets
+  (backup thread) at the same time, and ``clear``/``get_stats`` from the scheduler. Every
+  DiskTier call is made holding the backend's one lock, none of which waits on the disk
+  (DiskTier's single-thread rule, kept); a thread whose get or set is in flight waits on a
+  condition without the lock, while one collector thread per root waits on that root's engine
+  (GIL released) and hands out finished jobs. So a get's disk wait never delays an existence
+  check, which the index answers in microseconds. On a ``shared`` root, keys the index does not
+  know are probed in one batch of ``statx`` (one io_uring submit) inside ``batch_exists``.
+
+Importing this module imports SGLang; importing ``pykvtier`` never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from .. import __version__
+from ..buffers import host_arena
+from ..config import DiskTierConfig, check_verify
+from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
+from ..tier import DiskTier, JobResult, LookupResult, TransferJob
+
+__all__ = ["PyKVTierHiCache", "PyKVTierHiCacheConfig"]
+
+logger = logging.getLogger("pykvtier")
+
+#: Extra-config keys SGLang itself reads (and leaves in the dict) or may inject: accepted, not ours.
+SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys", "tp_lcm_size"})
+#: Layouts whose pages are at most two contiguous regions (K, V) of the pool.
+_PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+_ALIGN = 4096
+_COLLECT_WAIT_S = 0.05  # a collector's engine wait, before it looks at the lock again
+
+
+def _opt(default: Any, doc: str, default_text: str | None = None) -> Any:
+    meta = {"doc": doc} if default_text is None else {"doc": doc, "default_text": default_text}
+    return field(default=default, metadata=meta)
+
+
+def _positive(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"PyKVTierHiCache: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _roots(root_dir: Any) -> list[str]:
+    given = [root_dir] if isinstance(root_dir, (str, os.PathLike)) else root_dir
+    if not isinstance(given, (list, tuple)) or not given:
+        raise ValueError("PyKVTierHiCache: root_dir must be a path or a non-empty list of paths "
+                         f"(one per drive), got {root_dir!r}")
+    roots = []
+    for r in given:
+        p = os.fspath(r) if isinstance(r, (str, os.PathLike)) else r
+        if not isinstance(p, str) or not p or "\0" in p:
+            raise ValueError(f"PyKVTierHiCache: root_dir entry {r!r} is not a usable path")
+        roots.append(os.path.expanduser(p))
+    if len({os.path.realpath(r) for r in roots}) != len(roots):
+        raise ValueError(f"PyKVTierHiCache: root_dir lists a directory twice: {roots}")
+    return roots
+
+
+@dataclass(frozen=True)
+class PyKVTierHiCacheConfig:
+    """The backend's options: the keys of ``--hicache-storage-backend-extra-config`` besides
+    SGLang's own (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, and the
+    ones SGLang pops or injects: :data:`SGLANG_KEYS`). Checked here, before any root is touched:
+    ValueError naming the key. Fields hold normalized values (``root_dir``: a list of paths,
+    ``direct``: None for "auto", ``mode``: an int)."""
+
+    root_dir: Any = field(default=None, metadata={
+        "doc": "a directory, or a list (one per NVMe drive); blocks are sharded across them by "
+               "digest, so keep the list and its order fixed", "default_text": "required"})
+    capacity_bytes: int | None = _opt(
+        None, "total block-file bytes of this rank, split evenly over the roots; least recently "
+              "used pages are evicted (never one being read)")
+    shared: bool = _opt(
+        False, "the roots are shared with other SGLang instances or nodes: pages the index does "
+               "not know are probed (one batch of `statx` per `batch_exists`); on for MLA models "
+               "with more than one rank")
+    engine: str = _opt("auto", "`uring`, `posix`, or `auto` (io_uring where the kernel allows "
+                               "it, else posix, logged)")
+    queue_depth: int = _opt(64, "block requests in flight per root")
+    max_inflight_bytes: int = _opt(256 << 20, "payload bytes in flight per root", "256 MiB")
+    direct: Any = _opt("auto", "`true`: O_DIRECT (refused at start-up where it cannot work); "
+                               "`false`: buffered; `\"auto\"`: where the file system takes it",
+                       '`"auto"`')
+    fsync: bool = _opt(False, "durable stores: each block file fdatasync'ed, each directory "
+                              "fsync'ed once per batch, before the set returns")
+    mode: Any = _opt(0o600, "permission bits of the files the backend creates (`\"640\"` or "
+                            "`416` in JSON); directories get the matching x bits", "`0o600`")
+    min_free_bytes: int | None = _opt(
+        None, "free space kept on each root's file system; `null`: 5 %", "5 % of the file system")
+    probe_ttl_s: float = _opt(1.0, "how long a probe's \"not found\" stays a miss (`shared`)")
+    verify: str = _opt("payload", "what a load checks: `payload` (header, key digest, length and "
+                                  "the payload's XXH3-64) or `header` (all but the payload "
+                                  "checksum, for file systems that checksum data)")
+    zero_copy: Any = _opt(
+        "auto", "`\"auto\"`: pages move by address between the files and the host pool where "
+                "its layout allows (`page_first*`, `page_head`, 4096-aligned pages, "
+                "`interface_v1`); `false`: always through the staging arena", '`"auto"`')
+    staging_pages: int = _opt(
+        64, "pages of the staging arena (layouts or paths without zero copy); each get or set "
+            "batch moves at most half of them at a time")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> PyKVTierHiCacheConfig:
+        """The config of SGLang's extra config dict; ValueError naming an unknown key, a missing
+        ``root_dir``, or a bad value."""
+        extra = dict(extra or {})
+        names = [f.name for f in fields(cls)]
+        ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
+        unknown = sorted(set(ours) - set(names))
+        if unknown:
+            raise ValueError(
+                f"PyKVTierHiCache: unknown option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))} in --hicache-storage-backend-extra-config; "
+                f"accepted: {', '.join(names)}")
+        if "root_dir" not in ours:
+            raise ValueError("PyKVTierHiCache: 'root_dir' is required in "
+                             "--hicache-storage-backend-extra-config (a directory, or a list "
+                             "of directories, one per drive)")
+        return cls(**ours)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__.__get__(self)
+        set_("root_dir", _roots(self.root_dir))
+        if self.capacity_bytes is not None:
+            _positive("capacity_bytes", self.capacity_bytes)
+        for key in ("queue_depth", "max_inflight_bytes", "staging_pages"):
+            _positive(key, getattr(self, key))
+        if self.staging_pages < 2:
+            raise ValueError(f"PyKVTierHiCache: staging_pages must be at least 2, got "
+                             f"{self.staging_pages}")
+        ttl = self.probe_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl >= 0:
+            raise ValueError(f"PyKVTierHiCache: probe_ttl_s must be a number >= 0 (seconds), "
+                             f"got {ttl!r}")
+        set_("probe_ttl_s", float(ttl))
+        for key in ("shared", "fsync"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"PyKVTierHiCache: {key} must be true or false, got "
+                                 f"{getattr(self, key)!r}")
+        if self.zero_copy not in ("auto", False):
+            raise ValueError(f"PyKVTierHiCache: zero_copy must be \"auto\" or false, got "
+                             f"{self.zero_copy!r}")
+        direct = None if self.direct == "auto" else self.direct
+        if direct is not None and not isinstance(direct, bool):
+            raise ValueError(f"PyKVTierHiCache: direct must be true, false or \"auto\", got "
+                             f"{self.direct!r}")
+        set_("direct", direct)
+        try:
+            set_("mode", check_file_mode(self.mode, "mode"))
+            check_verify(self.verify)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"PyKVTierHiCache: {exc}") from None
+        v = self.min_free_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"PyKVTierHiCache: min_free_bytes must be null or an integer >= 0, "
+                             f"got {v!r}")
+
+    def disk_tier_options(self, shared: bool) -> dict[str, Any]:
+        """The DiskTier keywords of every root's tier (capacity split over the roots)."""
+        return dict(
+            capacity_bytes=None if self.capacity_bytes is None
+            else self.capacity_bytes // len(self.root_dir),
+            shared=shared, direct=self.direct, queue_depth=self.queue_depth,
+            max_inflight_bytes=self.max_inflight_bytes, probe_ttl_s=self.probe_ttl_s,
+            fsync=self.fsync, engine=self.engine, mode=self.mode,
+            min_free_bytes=self.min_free_bytes, verify=self.verify)
+
+
+@dataclass
+class _Geometry:
+    """How the pages of one host pool become blocks."""
+
+    zero_copy: bool
+    blocks_per_page: int  # block files per page (zero copy: the page's regions; else 1)
+    block_bytes: int  # payload bytes of one block
+    page_bytes: int  # a page's bytes, all its blocks
+    base: int = 0  # zero copy: the pool's address (the arena)
+    arena_bytes: int = 0
+
+
+class _Waiter:
+    """The engine jobs of one call, and their results as the collectors hand them out."""
+
+    __slots__ = ("left", "results")
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.results: list[JobResult] = []
+
+
+class PyKVTierHiCache(HiCacheStorage):
+    """SGLang HiCache storage backend on local NVMe (or any POSIX file system), through pykvtier.
+
+    Built by SGLang's ``StorageBackendFactory`` as ``PyKVTierHiCache(storage_config, kwargs)``;
+    the options come from ``storage_config.extra_config`` (:class:`PyKVTierHiCacheConfig`). The
+    roots are opened when SGLang registers the host pool (:meth:`register_mem_pool_host`, the
+    page geometry comes from it); until then every page is missing.
+
+    Semantics as SGLang's ``HiCacheStorage``: :meth:`batch_exists` is the number of leading keys
+    whose pages are all here (a page missing in the middle stops the count), from the index
+    without waiting on the disk; :meth:`batch_get_v1` / :meth:`batch_set_v1` return one bool
+    per key (a page whose load failed verification is quarantined and answers missing from then
+    on; other pages of the batch are unaffected); the legacy :meth:`batch_get` returns one
+    tensor or None per key, :meth:`batch_set` all-or-nothing. Thread-safe as SGLang calls it
+    (see the module docstring). Errors: ValueError at construction or registration for bad
+    options, a root in use, or a pool layout it cannot store (naming them); a failed page is a
+    False or None, logged by the tier, never an exception on the I/O threads.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        if kwargs:
+            raise ValueError(f"PyKVTierHiCache: unexpected constructor arguments "
+                             f"{sorted(kwargs)}; options go in the extra config")
+        self.storage_config = storage_config
+        extra = storage_config.extra_config or {}
+        self.config = PyKVTierHiCacheConfig.from_extra_config(extra)
+        self.interface_v1 = bool(extra.get("interface_v1", 0))
+        self.is_writer = bool(storage_config.is_storage_writer)
+        self.is_mla = bool(storage_config.is_mla_model)
+        try:  # every DiskTier option checked before any root is touched
+            DiskTierConfig(self.config.root_dir[0], _ALIGN,
+                           **self.config.disk_tier_options(self.config.shared))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"PyKVTierHiCache: {exc}") from exc
+        self._cv = threading.Condition(threading.Lock())
+        self._tiers: list[DiskTier] = []
+        self.namespace_dirs: list[str] = []
+        self._geometry: _Geometry | None = None
+        self._pool: Any = None
+        self._staging: Any = None  # torch uint8 (slots, block_bytes) over the staging arena
+        self._free_staging: list[int] = []
+        self._job_ids = itertools.count(1)
+        self._waiters: dict[int, _Waiter] = {}  # engine job id -> its call's waiter
+        self._inflight = [0] * len(self.config.root_dir)  # jobs per shard
+        self._collectors: list[threading.Thread] = []
+        self._closing = False
+        self._pausing = 0  # clear() in progress: new jobs wait
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                         "backup_bandwidth": []}
+        self._counts = {"pages_loaded": 0, "pages_load_failed": 0, "pages_stored": 0,
+                        "pages_store_failed": 0, "sets_skipped_not_writer": 0}
+        self.registered_pools = {}
+
+    # ------------------------------------------------------------------ registration
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Takes SGLang's host pool (an ``MHATokenToKVPoolHost`` or ``MLATokenToKVPoolHost``)
+        and opens the roots for its page geometry. Called once, on the scheduler thread, before
+        any I/O. ValueError for a pool it cannot store, a root that cannot be used or is locked."""
+        if self._pool is mem_pool_host:
+            return
+        if self._pool is not None:
+            raise ValueError("PyKVTierHiCache: a second host pool was registered; one backend "
+                             "serves one pool")
+        self.mem_pool_host = mem_pool_host
+        geo = self._page_geometry(mem_pool_host)
+        shared = self.config.shared
+        if self.is_mla and self.storage_config.tp_size > 1 and not shared:
+            shared = True  # the writer rank's pages must be visible to the other ranks
+            logger.info("pykvtier: MLA model on %d ranks: the ranks share one directory per root "
+                        "(shared=True)", self.storage_config.tp_size)
+        self._open_roots(mem_pool_host, geo, shared)
+        self._pool = mem_pool_host
+        self._geometry = geo
+        logger.info("pykvtier: SGLang HiCache backend on %s: %s layout, %d-byte pages as %d "
+                    "block%s each, %s, engine %s, O_DIRECT %s", self.namespace_dirs,
+                    mem_pool_host.layout, geo.page_bytes, geo.blocks_per_page,
+                    "s" if geo.blocks_per_page > 1 else "",
+                    "zero copy" if geo.zero_copy else "staging arena",
+                    self._tiers[0].engine_name, all(t.direct for t in self._tiers))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid controller registers its pools by name: the KV pool is the one of
+        :meth:`register_mem_pool_host`; any other (Mamba, SWA, indexer sidecars) is refused in
+        :meth:`on_host_pools_registered`."""
+        self.registered_pools[str(getattr(host_pool_name, "value", host_pool_name))] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        """ValueError when a sidecar pool (hybrid models' v2 interface) was registered: this
+        backend stores KV pages only (SGLang then fails the attach, naming it)."""
+        others = sorted(k for k in self.registered_pools if k != "kv")
+        if others:
+            raise ValueError(f"PyKVTierHiCache: host pools {others} are not supported (hybrid "
+                             "models' sidecar pools need SGLang's v2 storage interface); only "
+                             "the KV pool is stored")
+        if self._pool is None:
+            raise ValueError("PyKVTierHiCache: no host pool registered")
+
+    def _page_geometry(self, pool: Any) -> _Geometry:
+        layout = getattr(pool, "layout", None)
+        try:
+            dummy = pool.get_dummy_flat_data_page()
+        except Exception as exc:
+            raise ValueError(f"PyKVTierHiCache: host pool {type(pool).__name__} (layout "
+                             f"{layout!r}) has no flat page: {exc}") from exc
+        page_bytes = int(dummy.numel() * dummy.element_size())
+        if page_bytes <= 0:
+            raise ValueError(f"PyKVTierHiCache: host pool {type(pool).__name__} has empty pages")
+        flat = _Geometry(False, 1, page_bytes, page_bytes)
+        if not (self.interface_v1 and self.config.zero_copy == "auto" and layout in _PAGE_LAYOUTS
+                and pool.is_stride_page_aligned(_ALIGN)):
+            return flat
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(pool.page_size, dtype=torch.int64))
+        buf = pool.kv_buffer
+        base, nbytes = int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+        n = len(ptrs)
+        if (n not in (1, 2) or len(set(sizes)) != 1 or sizes[0] * n != page_bytes
+                or base % _ALIGN or not buf.is_contiguous()):
+            return flat
+        return _Geometry(True, n, int(sizes[0]), page_bytes, base, nbytes)
+
+    def _namespace(self, pool: Any, geo: _Geometry) -> tuple[str, dict[str, Any]]:
+        """The directory name of this model, pool and rank inside ROOT/pykvtier-sglang, and the
+        run config it stands for (written beside the blocks)."""
+        sc = self.storage_config
+        dummy = pool.get_dummy_flat_data_page()
+        run = {
+            "model_name": sc.model_name, "pool": type(pool).__name__,
+            "layout": pool.layout, "dtype": str(pool.dtype), "page_size": int(pool.page_size),
+            "page_bytes": geo.page_bytes, "flat_page_shape": list(dummy.shape),
+            "blocks_per_page": geo.blocks_per_page, "is_mla_model": self.is_mla,
+            "pp": [sc.pp_rank, sc.pp_size], "attn_cp": [sc.attn_cp_rank, sc.attn_cp_size],
+        }
+        if not self.is_mla:  # MLA pages are the same on every rank: one directory for all
+            run["tp"] = [sc.tp_rank, sc.tp_size]
+            if getattr(sc, "should_split_heads", False):
+                run["tp_lcm_size"] = sc.tp_lcm_size
+        h = hashlib.blake2b(json.dumps(run, sort_keys=True).encode(), digest_size=8).hexdigest()
+        model = re.sub(r"[^A-Za-z0-9._-]+", "-", str(sc.model_name or "model")).strip("-")[:80]
+        return f"{model or 'model'}_{h}", run
+
+    def _open_roots(self, pool: Any, geo: _Geometry, shared: bool) -> None:
+        cfg = self.config
+        name, run = self._namespace(pool, geo)
+        opts = cfg.disk_tier_options(shared)
+        split = (f" (capacity_bytes={cfg.capacity_bytes} split over {len(cfg.root_dir)} roots)"
+                 if cfg.capacity_bytes is not None and len(cfg.root_dir) > 1 else "")
+        if geo.zero_copy:
+            arena: Any = pool.kv_buffer.view(-1).view(torch.uint8).view(-1, geo.block_bytes)
+        else:
+            slots = cfg.staging_pages
+            staging = host_arena(slots, -(-geo.block_bytes // _ALIGN) * _ALIGN)
+            arena = staging
+            self._staging = torch.from_numpy(staging)
+            self._free_staging = list(range(slots))
+        try:
+            for root in cfg.root_dir:
+                ns = os.path.join(root, "pykvtier-sglang", name)
+                try:
+                    _make_dirs(root, ns, cfg.mode, run)
+                except OSError as exc:
+                    raise ValueError(f"PyKVTierHiCache: root {root!r}: cannot create the "
+                                     f"backend's directory ({exc.filename}: {exc.strerror})") from exc
+                try:
+                    tier = DiskTier(ns, geo.block_bytes, **opts)
+                except RootLockedError as exc:
+                    raise ValueError(
+                        f"PyKVTierHiCache: root {root!r} is in use by pid "
+                        f"{', '.join(map(str, exc.holders)) or 'unknown'}: its directory for "
+                        f"this model and rank ({ns}) is locked. Give each SGLang instance its "
+                        "own root_dir, or set shared: true on every instance that shares it "
+                        "on purpose") from exc
+                except ValueError as exc:
+                    raise ValueError(f"PyKVTierHiCache: root {root!r}{split}: {exc}") from exc
+                self._tiers.append(tier)
+                self.namespace_dirs.append(ns)
+                tier.set_arena(arena)
+            self._tier_options, self._arena = opts, arena  # registers it as the engine's fixed buffers, once
+        except BaseException:
+            for t in self._tiers:
+                t.shutdown()
+            self._tiers.clear()
+            raise
+        for i in range(len(self._tiers)):
+            t = threading.Thread(target=self._collect, args=(i,), daemon=True,
+                                 name=f"pykvtier-sglang-collect-{i}")
+            t.start()
+            self._collectors.append(t)
+
+    # ------------------------------------------------------------------ keys
+
+    def _block_keys(self, keys: Sequence[str]) -> list[bytes]:
+        """Every block key of ``keys``' pages, page by page (a page's blocks in region order)."""
+        n = self._geometry.blocks_per_page if self._geometry else 1
+        if n == 1:
+            return [k.encode() for k in keys]
+        return [f"{k}:{j}".encode() for k in keys for j in range(n)]
+
+    def _shard(self, digest: bytes) -> int:
+        return int.from_bytes(digest[:8], "little") % len(self._tiers)
+
+    # ------------------------------------------------------------------ existence
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key``'s page is here (all its blocks): ``batch_exists([key]) == 1``."""
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """The number of leading ``keys`` whose pages are all here and loadable, as SGLang's
+        ``HiCacheStorage.batch_exists`` (a prefix count, not a list). From the index: never
+        waits on the disk for keys it knows; on a ``shared`` root the others are probed in one
+        batch (one io_uring submit of ``statx``) and waited for. Any thread."""
+        if not keys or not self._tiers:
+            return 0
+        bkeys = self._block_keys(keys)
+        per = self._geometry.blocks_per_page
+        with self._cv:
+            answers = self._lookup(bkeys)
+            if LookupResult.RETRY in answers and any(t.config.shared for t in self._tiers):
+                for t in self._tiers:
+                    t.settle_probes()
+                answers = self._lookup(bkeys)
+        ok = [a is LookupResult.HIT or a is LookupResult.HIT_PENDING for a in answers]
+        for i in range(len(keys)):
+            if not all(ok[i * per:(i + 1) * per]):
+                return i
+        return len(keys)
+
+    def _lookup(self, bkeys: list[bytes]) -> list[LookupResult]:
+        if len(self._tiers) == 1:
+            look = self._tiers[0].lookup
+            return [look(k) for k in bkeys]
+        out = []
+        for k in bkeys:
+            d = key_digest(k)
+            out.append(self._tiers[self._shard(d)].lookup_digest(d))
+        return out
+
+    # ------------------------------------------------------------------ jobs
+
+    def _run(self, bkeys: list[bytes], slots: list[int], is_load: bool) -> dict[bytes, bool]:
+        """Moves blocks ``bkeys`` to/from arena ``slots`` and waits (without the lock) for the
+        result: block key -> success. A job a tier refuses (ValueError: a slot in use by another
+        job) fails its keys, logged."""
+        parts: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}
+        for k, s in zip(bkeys, slots):
+            d = key_digest(k)
+            ks, ss, ds = parts.setdefault(self._shard(d) if len(self._tiers) > 1 else 0,
+                                          ([], [], []))
+            ks.append(k)
+            ss.append(s)
+            ds.append(d)
+        ok: dict[bytes, bool] = dict.fromkeys(bkeys, False)
+        with self._cv:
+            self._cv.wait_for(lambda: not self._pausing or self._closing)
+            if self._closing or not self._tiers:
+                return ok
+            waiter = _Waiter(0)
+            sent: dict[int, list[bytes]] = {}
+            for shard, (ks, ss, ds) in parts.items():
+                jid = next(self._job_ids)
+                job = TransferJob(jid, ks, ss)
+                tier = self._tiers[shard]
+                try:
+                    (tier.submit_load if is_load else tier.submit_store)(job, ds)
+                except (ValueError, RuntimeError) as exc:
+                    logger.warning("pykvtier: SGLang %s batch of %d blocks refused: %s",
+                                   "get" if is_load else "set", len(ks), exc)
+                    continue
+                waiter.left += 1
+                sent[jid] = ks
+                self._waiters[jid] = waiter
+                self._inflight[shard] += 1
+            self._cv.notify_all()  # wakes the collectors
+            self._cv.wait_for(lambda: waiter.left == 0)
+        for r in waiter.results:
+            done = r.successful_keys if r.successful_keys is not None else (
+                sent[r.job_id] if r.success else ())
+            for k in done:
+                ok[k] = True
+        return ok
+
+    def _collect(self, shard: int) -> None:
+        """Collector thread of one root: waits on its engine (GIL released, no lock), then
+        hands the finished jobs to their callers."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._inflight[shard] > 0 or self._closing)
+                if self._inflight[shard] == 0:
+                    return  # closing, nothing left in flight
+                tier = self._tiers[shard]  # (clear() reopens the tiers while none is in flight)
+                engine = tier.engine
+            got = engine.wait(_COLLECT_WAIT_S)
+            with self._cv:
+                results = tier.get_finished_jobs()
+                for r in results:
+                    w = self._waiters.pop(r.job_id, None)
+                    if w is None:
+                        continue
+                    self._inflight[shard] -= 1
+                    w.results.append(r)
+                    w.left -= 1
+                if results:
+                    self._cv.notify_all()
+                elif not got and engine.pending_jobs() == 0:
+                    # The tier holds the job back (a store waiting on its evictions' follow-up):
+                    # look again shortly rather than spin.
+                    self._cv.wait(_COLLECT_WAIT_S / 10)
+
+    def _host_pages(self, host_indices: torch.Tensor, n: int) -> np.ndarray:
+        """The first token slot of each of the ``n`` pages of ``host_indices`` (token slots,
+        ``n * page_size`` of them)."""
+        ps = self._pool.page_size
+        idx = host_indices.reshape(-1)
+        if idx.numel() != n * ps:
+            raise ValueError(f"PyKVTierHiCache: {idx.numel()} host indices for {n} pages of "
+                             f"{ps} tokens")
+        return idx[::ps].to(torch.int64).cpu().numpy()
+
+    def _zero_copy_slots(self, host_indices: torch.Tensor, n: int) -> list[int]:
+        """Arena slots (of block_bytes in the pool) of every block of the ``n`` pages."""
+        geo = self._geometry
+        ptrs, _ = self._pool.get_page_buffer_meta(host_indices)
+        off = np.asarray(ptrs, dtype=np.int64) - geo.base
+        if len(off) != n * geo.blocks_per_page or (off % geo.block_bytes).any():
+            raise ValueError("PyKVTierHiCache: the pool's page regions moved off the block grid")
+        return (off // geo.block_bytes).tolist()
+
+    def _take_staging(self, want: int) -> list[int]:
+        """Up to ``want`` staging slots (at most half the arena), waiting for some to be free.
+        Called holding the lock."""
+        cap = max(1, len(self._staging) // 2)
+        self._cv.wait_for(lambda: self._free_staging or self._closing)
+        n = min(want, cap, len(self._free_staging))
+        got, self._free_staging = self._free_staging[:n], self._free_staging[n:]
+        return got
+
+    def _give_staging(self, slots: list[int]) -> None:
+        with self._cv:
+            self._free_staging.extend(slots)
+            self._cv.notify_all()
+
+    def _staged(self, keys: list[str], is_load: bool, fill: Any, drain: Any) -> list[bool]:
+        """Moves pages one staging chunk at a time: ``fill(i, slot)`` puts page i's bytes in a
+        slot before a store, ``drain(i, slot)`` takes them out after a load."""
+        out: list[bool] = []
+        i = 0
+        while i < len(keys):
+            with self._cv:
+                if self._closing:
+                    return out + [False] * (len(keys) - i)
+                slots = self._take_staging(len(keys) - i)
+            try:
+                chunk = keys[i:i + len(slots)]
+                if not is_load:
+                    for j, s in enumerate(slots[:len(chunk)]):
+                        fill(i + j, s)
+                bkeys = self._block_keys(chunk)
+                ok = self._run(bkeys, slots[:len(chunk)], is_load)
+                for j, (k, s) in enumerate(zip(bkeys, slots)):
+                    good = ok[k]
+                    if good and is_load:
+                        drain(i + j, s)
+                    out.append(good)
+            finally:
+                self._give_staging(slots)
+            i += len(slots)
+        return out
+
+    # ------------------------------------------------------------------ v1: host pool slots
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Loads the pages of ``keys`` into the host pool at ``host_indices`` (token slots,
+        ``len(keys) * page_size`` of them, as SGLang's ``HiCacheStorage.batch_get_v1``); one
+        bool per key. Zero copy where the layout allows, else through the staging arena. Pages
+        that fail leave their pool slots undefined (SGLang uses only the leading True ones)."""
+        t0 = time.monotonic()
+        out = self._move_v1(keys, host_indices, is_load=True)
+        self._account(out, True, time.monotonic() - t0)
+        return out
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Stores the host pool's pages at ``host_indices`` under ``keys``, as SGLang's
+        ``HiCacheStorage.batch_set_v1``; one bool per key (a page already here is True, and not
+        written again). On an MLA rank that is not the writer (``is_storage_writer``) nothing
+        is written and every key is True: the writer rank stores the same pages."""
+        if not self.is_writer:
+            self._counts["sets_skipped_not_writer"] += len(keys)
+            return [True] * len(keys)
+        t0 = time.monotonic()
+        out = self._move_v1(keys, host_indices, is_load=False)
+        self._account(out, False, time.monotonic() - t0)
+        return out
+
+    def _move_v1(self, keys: list[str], host_indices: torch.Tensor, is_load: bool) -> list[bool]:
+        if not keys:
+            return []
+        if self._pool is None:
+            return [False] * len(keys)
+        if self._geometry.zero_copy:
+            per = self._geometry.blocks_per_page
+            bkeys = self._block_keys(keys)
+            ok = self._run(bkeys, self._zero_copy_slots(host_indices, len(keys)), is_load)
+            return [all(ok[b] for b in bkeys[i * per:(i + 1) * per]) for i in range(len(keys))]
+        pages = self._host_pages(host_indices, len(keys))
+        pool, staging = self._pool, self._staging
+        nb = self._geometry.block_bytes
+
+        def fill(i: int, s: int) -> None:
+            staging[s, :nb].copy_(pool.get_data_page(int(pages[i]), flat=True).reshape(-1)
+                                  .view(torch.uint8))
+
+        def drain(i: int, s: int) -> None:
+            pool.set_from_flat_data_page(int(pages[i]), staging[s, :nb].view(pool.dtype))
+
+        return self._staged(keys, is_load, fill, drain)
+
+    # ------------------------------------------------------------------ legacy: tensors
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """The page of ``key`` as a flat tensor (into ``target_location`` when given), or None."""
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[Any]:
+        """Loads pages as flat tensors, as SGLang's ``HiCacheStorage.batch_get``:
+        ``target_locations[i]`` (a tensor of one flat page, as ``get_dummy_flat_data_page``)
+        receives page i, else a new tensor is made; None for a page that is not here or failed.
+        Needs the staging arena (a backend built without zero copy: ``interface_v1`` off,
+        ``zero_copy: false`` or a ``layer_first`` pool); RuntimeError on a zero-copy backend,
+        whose arena is the pool."""
+        if not keys:
+            return []
+        self._need_staging("batch_get")
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            raise ValueError(f"PyKVTierHiCache: {len(targets)} target locations for "
+                             f"{len(keys)} keys")
+        nb = self._geometry.block_bytes
+        out: list[Any] = [None] * len(keys)
+
+        def drain(i: int, s: int) -> None:
+            t = targets[i]
+            if t is None:
+                t = self._pool.get_dummy_flat_data_page()
+            _as_bytes(t, nb).copy_(self._staging[s, :nb])
+            out[i] = t
+
+        t0 = time.monotonic()
+        ok = self._staged(list(keys), True, None, drain)
+        self._account(ok, True, time.monotonic() - t0)
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        """Stores one flat page tensor under ``key``: ``batch_set([key], [value])``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Stores flat page tensors (``values[i]``, as ``get_data_page(flat=True)``) under
+        ``keys``, as SGLang's ``HiCacheStorage.batch_set``: True when every page is stored
+        (pages stored before a failure stay). ValueError for a value of the wrong size.
+        Needs the staging arena (see :meth:`batch_get`)."""
+        if not keys:
+            return True
+        if not self.is_writer:
+            self._counts["sets_skipped_not_writer"] += len(keys)
+            return True
+        self._need_staging("batch_set")
+        vals = list(values) if values is not None else []
+        if len(vals) != len(keys):
+            raise ValueError(f"PyKVTierHiCache: {len(vals)} values for {len(keys)} keys")
+        nb = self._geometry.block_bytes
+        srcs = [_as_bytes(v, nb) for v in vals]
+
+        def fill(i: int, s: int) -> None:
+            self._staging[s, :nb].copy_(srcs[i])
+
+        t0 = time.monotonic()
+        ok = self._staged(list(keys), False, fill, None)
+        self._account(ok, False, time.monotonic() - t0)
+        return all(ok)
+
+    def _need_staging(self, what: str) -> None:
+        if self._pool is None:
+            raise RuntimeError(f"PyKVTierHiCache.{what}: no host pool registered yet")
+        if self._geometry.zero_copy:
+            raise RuntimeError(
+                f"PyKVTierHiCache.{what}: this backend moves pages zero-copy between the files "
+                "and the host pool (interface_v1); the legacy tensor methods need the staging "
+                "arena: set zero_copy: false, or drop interface_v1")
+
+    # ------------------------------------------------------------------ metrics, clear, close
+
+    def _account(self, ok: list[bool], is_load: bool, seconds: float) -> None:
+        good = sum(ok)
+        gb = good * self._geometry.page_bytes / 1e9 if self._geometry else 0.0
+        with self._cv:
+            if is_load:
+                self._counts["pages_loaded"] += good
+                self._counts["pages_load_failed"] += len(ok) - good
+                self._metrics["prefetch_pgs"].append(good)
+                self._metrics["prefetch_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
+            else:
+                self._counts["pages_stored"] += good
+                self._counts["pages_store_failed"] += len(ok) - good
+                self._metrics["backup_pgs"].append(good)
+                self._metrics["backup_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the batches since the last call (pages and GB/s per
+        get and set batch), for ``--enable-storage-metrics``; scheduler thread."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._cv:
+            m, self._metrics = self._metrics, {k: [] for k in self._metrics}
+        return StorageMetrics(**m)
+
+    def stats(self) -> dict[str, int]:
+        """The tiers' counters summed over the roots (``DiskTier.stats()`` keys, as the vLLM
+        adapter's metrics), plus the backend's page counts."""
+        with self._cv:
+            total: dict[str, int] = dict(self._counts)
+            for t in self._tiers:
+                for k, v in t.stats().items():
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def clear(self) -> None:
+        """Removes every page of this model and rank from every root (SGLang's admin "clear
+        storage"): waits for the batches in flight, then empties the namespace directories and
+        reopens them. Gets and sets that arrive meanwhile wait."""
+        with self._cv:
+            if not self._tiers:
+                return
+            self._pausing += 1
+            try:
+                self._cv.wait_for(lambda: not self._waiters)
+                for i, t in enumerate(self._tiers):
+                    t.shutdown()
+                    blocks = t.layout.blocks_dir
+                    for entry in os.scandir(blocks):
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.path, ignore_errors=True)
+                        else:
+                            os.unlink(entry.path)
+                    self._tiers[i] = DiskTier(self.namespace_dirs[i], t.block_size_bytes,
+                                              **self._tier_options)
+                    self._tiers[i].set_arena(self._arena)
+            finally:
+                self._pausing -= 1
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Finishes the batches in flight, stops the collector threads and shuts the tiers down
+        (SGLang calls it on detach). Idempotent."""
+        with self._cv:
+            if self._closing:
+                return
+            self._cv.wait_for(lambda: not self._waiters)
+            self._closing = True
+            self._cv.notify_all()
+        for t in self._collectors:
+            t.join()
+        for t in self._tiers:
+            t.shutdown()
+
+
+def _as_bytes(t: Any, nbytes: int) -> torch.Tensor:
+    """A flat page tensor as ``nbytes`` uint8 (ValueError naming the sizes otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"PyKVTierHiCache: a page must be a torch.Tensor, not {type(t).__name__}")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    b = t.reshape(-1).view(torch.uint8)
+    if b.numel() != nbytes:
+        raise ValueError(f"PyKVTierHiCache: a page tensor of {b.numel()} bytes, pages here are "
+                         f"{nbytes} bytes")
+    return b
+
+
+def _make_dirs(root: str, ns: str, mode: int, run: dict[str, Any]) -> None:
+    """ROOT/pykvtier-sglang/<namespace> with the dir mode of ``mode``, and its config.json."""
+    for d in (os.path.join(root, "pykvtier-sglang"), ns):
+        try:
+            os.makedirs(d, dir_mode_of(mode))
+        except FileExistsError:
+            continue
+        os.chmod(d, dir_mode_of(mode))
+    cfg = os.path.join(ns, "config.json")
+    if not os.path.exists(cfg):
+        tmp = f"{cfg}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+        with open(fd, "w") as f:
+            os.fchmod(fd, mode)
+            json.dump({"format": "pykvtier-sglang", "pykvtier_version": __version__, **run}, f,
+                      indent=2, sort_keys=True)
+        os.replace(tmp, cfg)
