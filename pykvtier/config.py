@@ -198,8 +198,15 @@ def _table_classes() -> dict[str, type]:
     try:
         from .integrations.vllm import PyKVTierConfig
     except ImportError:  # vLLM not installed: its table is left as it is
-        return out
-    out["PyKVTierConfig"] = PyKVTierConfig
+        pass
+    else:
+        out["PyKVTierConfig"] = PyKVTierConfig
+    try:
+        from .integrations.sglang import PyKVTierHiCacheConfig
+    except ImportError:  # SGLang not installed (or not importable here): its table stays
+        pass
+    else:
+        out["PyKVTierHiCacheConfig"] = PyKVTierHiCacheConfig
     return out
 
 
