@@ -615,3 +615,46 @@ def test_sweep_labels_its_layout_with_the_iodepths_it_runs(tmp_path):
     assert proc.stderr.splitlines() == ["sweep-64KiB-qd2,4: Laying out IO files (4 files / total 256KiB)"]
     assert proc.stdout.splitlines()[0].startswith(
         "sweep: bs 64KiB x iodepth 2,4 x fio, pykvtier-posix; 256KiB per run; 1 round; files in ")
+
+
+def _have_sglang() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not _have_sglang(), reason="SGLang is not installed (requirements-sglang.txt)")
+def test_vs_sglang_file_runs_every_tier_and_checks_every_page(tmp_path):
+    """bench/vs_sglang_file.py at a tiny size (8 KiB pages, 6 of them, batches of 4: one short
+    batch): every tier and layout stores and loads, every loaded page is checked, each tier's
+    directory is gone after it. Timings and verdicts are not checked."""
+    if _on_tmpfs(tmp_path):
+        pytest.skip("vs_sglang_file refuses a tmpfs directory (no O_DIRECT)")
+    import sys
+
+    d, out_json = tmp_path / "d", tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "vs_sglang_file.py"), "--dir", str(d),
+                           "--page-size", "16", "--layers", "2", "--kv-heads", "2", "--head-dim", "32",
+                           "--set-bytes", "48K", "--batch-pages", "4", "--min-batches", "3",
+                           "--no-drop-caches", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out_json.read_text())
+    rows = {(r["phase"], r["layout"], r["tier"]): r for r in data["results"]}
+    tiers = ("pykvtier-v1", "pykvtier-legacy", "hicache-file")
+    assert set(rows) == {(ph, lay, t) for ph in ("store", "load") for lay in ("page_first", "layer_first")
+                         for t in tiers}
+    assert (data["page_bytes"], data["pages"], data["batch_pages"], data["load_passes"]) == (8192, 6, 4, 2)
+    for (phase, layout, tier), r in rows.items():
+        assert r["batches"] == (2 if phase == "store" else 4)
+        if phase == "load":
+            assert r["verified_pages"] == 12
+    assert rows["load", "page_first", "pykvtier-v1"]["path"] == "zero copy (v1)"
+    assert rows["load", "layer_first", "pykvtier-v1"]["path"] == "staging arena (v1)"
+    assert rows["load", "page_first", "pykvtier-legacy"]["path"] == "staging arena (legacy tensors)"
+    assert os.listdir(d) == []
+    lines = proc.stdout.splitlines()
+    assert sum(1 for line in lines if line.startswith("  page_first pykvtier-v1 (backend calls): GB/s ")) == 1
+    assert sum(1 for line in lines if " <= 0.5x " in line) == 8  # 2 layouts x 2 tiers x 2 views
+    assert sum(1 for line in lines if "every page byte-exact" in line) == 6
