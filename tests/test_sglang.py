@@ -498,3 +498,67 @@ def test_driven_by_sglangs_hybrid_cache_controller(root, kind):
     per = 2 if kind == "mha" else 1
     assert (st["pages_stored"], st["pages_loaded"]) == (30, 30)
     assert (st["blocks_stored"], st["blocks_loaded"]) == (30 * per, 30 * per)
+
+
+def test_an_existence_check_does_not_wait_for_a_get_stuck_on_the_disk(root, backends):
+    """A get whose block file is a FIFO no one writes blocks in the engine (its open waits for
+    a writer); meanwhile batch_exists from another thread answers, and the get fails alone once
+    the FIFO is opened and closed."""
+    _, host = mha_host("page_first")
+    b = build(host, root, direct=False)  # (an O_DIRECT open of a FIFO fails at once on some fs)
+    backends.append(b)
+    fill_random(host, 13)
+    keys = keys_of(4)
+    assert b.batch_set_v1(keys, host.alloc(4 * P)) == [True] * 4
+    from pykvtier.layout import key_digest
+
+    fifo = b._tiers[0].layout.block_path(key_digest(f"{keys[0]}:0".encode()))
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    submitted = threading.Event()
+    tier = b._tiers[0]
+    real_submit = tier.submit_load
+
+    def submit_load(job, digests=None):
+        real_submit(job, digests)
+        submitted.set()
+
+    tier.submit_load = submit_load
+    result = {}
+    getter = threading.Thread(
+        target=lambda: result.setdefault("get", b.batch_get_v1(keys[:1], host.alloc(P))))
+    getter.start()
+    assert submitted.wait(60)
+    assert b.batch_exists(keys[1:]) == 3  # answered while the get is in the engine
+    assert getter.is_alive()  # still waiting: nothing has opened the FIFO for writing
+    # Let the engine through: each time it opens the FIFO (it may open a file more than once),
+    # a writer comes and goes, so its read ends at EOF: a short block file, failed.
+    os.close(os.open(fifo, os.O_WRONLY))
+    deadline = time.monotonic() + 60
+    while getter.is_alive() and time.monotonic() < deadline:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: no reader now
+        except OSError:
+            pass
+        getter.join(0.05)
+    assert result["get"] == [False]
+    assert b.batch_exists(keys) == 0  # the failed page answers missing from now on
+    assert b.batch_exists(keys[1:]) == 3
+
+
+def test_no_metrics_are_kept_without_storage_metrics(root):
+    """SGLang calls get_stats() only with --enable-storage-metrics: without it the per-batch
+    figures are not kept (they would grow forever)."""
+    _, host = mha_host("page_first")
+    sc = storage_config(extra(root))
+    sc.enable_storage_metrics = False
+    b = StorageBackendFactory.create_backend("dynamic", sc, host)
+    try:
+        b.register_mem_pool_host(host)
+        fill_random(host, 14)
+        assert b.batch_set_v1(keys_of(2), host.alloc(2 * P)) == [True, True]
+        assert b._metrics == {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                              "backup_bandwidth": []}
+        assert b.stats()["pages_stored"] == 2
+    finally:
+        b.close()

@@ -293,6 +293,7 @@ class PyKVTierHiCache(HiCacheStorage):
         self._collectors: list[threading.Thread] = []
         self._closing = False
         self._pausing = 0  # clear() in progress: new jobs wait
+        self._keep_metrics = bool(getattr(storage_config, "enable_storage_metrics", True))
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
         self._counts = {"pages_loaded": 0, "pages_load_failed": 0, "pages_stored": 0,
@@ -657,9 +658,9 @@ class PyKVTierHiCache(HiCacheStorage):
         pool, staging = self._pool, self._staging
         nb = self._geometry.block_bytes
 
-        def fill(i: int, s: int) -> None:
-            staging[s, :nb].copy_(pool.get_data_page(int(pages[i]), flat=True).reshape(-1)
-                                  .view(torch.uint8))
+        def fill(i: int, s: int) -> None:  # one strided copy, in the flat page's order
+            page = pool.get_data_page(int(pages[i]), flat=False)
+            staging[s, :nb].view(pool.dtype).view(page.shape).copy_(page)
 
         def drain(i: int, s: int) -> None:
             pool.set_from_flat_data_page(int(pages[i]), staging[s, :nb].view(pool.dtype))
@@ -746,22 +747,24 @@ class PyKVTierHiCache(HiCacheStorage):
 
     def _account(self, ok: list[bool], is_load: bool, seconds: float) -> None:
         good = sum(ok)
-        gb = good * self._geometry.page_bytes / 1e9 if self._geometry else 0.0
+        gbps = good * self._geometry.page_bytes / 1e9 / seconds if seconds > 0 else 0.0
+        side = "prefetch" if is_load else "backup"
         with self._cv:
             if is_load:
                 self._counts["pages_loaded"] += good
                 self._counts["pages_load_failed"] += len(ok) - good
-                self._metrics["prefetch_pgs"].append(good)
-                self._metrics["prefetch_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
             else:
                 self._counts["pages_stored"] += good
                 self._counts["pages_store_failed"] += len(ok) - good
-                self._metrics["backup_pgs"].append(good)
-                self._metrics["backup_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
+            if self._keep_metrics:  # (else get_stats() is never called: nothing would drain them)
+                self._metrics[f"{side}_pgs"].append(good)
+                self._metrics[f"{side}_bandwidth"].append(gbps)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` of the batches since the last call (pages and GB/s per
-        get and set batch), for ``--enable-storage-metrics``; scheduler thread."""
+        get and set batch), for ``--enable-storage-metrics`` (without it,
+        ``storage_config.enable_storage_metrics`` is false and none are kept); scheduler
+        thread."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         with self._cv:
