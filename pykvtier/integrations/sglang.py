@@ -154,8 +154,9 @@ class PyKVTierHiCacheConfig:
                 "its layout allows (`page_first*`, `page_head`, 4096-aligned pages, "
                 "`interface_v1`); `false`: always through the staging arena", '`"auto"`')
     staging_pages: int = _opt(
-        64, "pages of the staging arena (layouts or paths without zero copy); each get or set "
-            "batch moves at most half of them at a time")
+        64, "pages of the staging arena (layouts or paths without zero copy); a get or set "
+            "batch moves them in chunks of a quarter, two chunks in flight (the copies of one "
+            "overlap the other's I/O)")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> PyKVTierHiCacheConfig:
@@ -490,8 +491,13 @@ class PyKVTierHiCache(HiCacheStorage):
 
     def _run(self, bkeys: list[bytes], slots: list[int], is_load: bool) -> dict[bytes, bool]:
         """Moves blocks ``bkeys`` to/from arena ``slots`` and waits (without the lock) for the
-        result: block key -> success. A job a tier refuses (ValueError: a slot in use by another
-        job) fails its keys, logged."""
+        result: block key -> success."""
+        return self._await(self._submit(bkeys, slots, is_load))
+
+    def _submit(self, bkeys: list[bytes], slots: list[int], is_load: bool) -> Any:
+        """Submits the jobs (one per root) moving blocks ``bkeys`` to/from arena ``slots``;
+        returns the handle :meth:`_await` takes. A job a tier refuses (ValueError: a slot in
+        use by another job) fails its keys, logged."""
         parts: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}
         for k, s in zip(bkeys, slots):
             d = key_digest(k)
@@ -500,13 +506,12 @@ class PyKVTierHiCache(HiCacheStorage):
             ks.append(k)
             ss.append(s)
             ds.append(d)
-        ok: dict[bytes, bool] = dict.fromkeys(bkeys, False)
+        waiter = _Waiter(0)
+        sent: dict[int, list[bytes]] = {}
         with self._cv:
             self._cv.wait_for(lambda: not self._pausing or self._closing)
             if self._closing or not self._tiers:
-                return ok
-            waiter = _Waiter(0)
-            sent: dict[int, list[bytes]] = {}
+                return bkeys, waiter, sent
             for shard, (ks, ss, ds) in parts.items():
                 jid = next(self._job_ids)
                 job = TransferJob(jid, ks, ss)
@@ -522,7 +527,15 @@ class PyKVTierHiCache(HiCacheStorage):
                 self._waiters[jid] = waiter
                 self._inflight[shard] += 1
             self._cv.notify_all()  # wakes the collectors
+        return bkeys, waiter, sent
+
+    def _await(self, handle: Any) -> dict[bytes, bool]:
+        """Waits (on the condition, the lock released) until the jobs of ``handle`` finished:
+        block key -> success."""
+        bkeys, waiter, sent = handle
+        with self._cv:
             self._cv.wait_for(lambda: waiter.left == 0)
+        ok: dict[bytes, bool] = dict.fromkeys(bkeys, False)
         for r in waiter.results:
             done = r.successful_keys if r.successful_keys is not None else (
                 sent[r.job_id] if r.success else ())
@@ -576,11 +589,12 @@ class PyKVTierHiCache(HiCacheStorage):
             raise ValueError("PyKVTierHiCache: the pool's page regions moved off the block grid")
         return (off // geo.block_bytes).tolist()
 
-    def _take_staging(self, want: int) -> list[int]:
-        """Up to ``want`` staging slots (at most half the arena), waiting for some to be free.
-        Called holding the lock."""
-        cap = max(1, len(self._staging) // 2)
-        self._cv.wait_for(lambda: self._free_staging or self._closing)
+    def _take_staging(self, want: int, wait: bool) -> list[int]:
+        """Up to ``want`` staging slots, at most a quarter of the arena; with ``wait``, waits
+        for one to be free, else takes what is free now (maybe none). Holding the lock."""
+        cap = max(1, len(self._staging) // 4)
+        if wait:
+            self._cv.wait_for(lambda: self._free_staging or self._closing)
         n = min(want, cap, len(self._free_staging))
         got, self._free_staging = self._free_staging[:n], self._free_staging[n:]
         return got
@@ -591,30 +605,49 @@ class PyKVTierHiCache(HiCacheStorage):
             self._cv.notify_all()
 
     def _staged(self, keys: list[str], is_load: bool, fill: Any, drain: Any) -> list[bool]:
-        """Moves pages one staging chunk at a time: ``fill(i, slot)`` puts page i's bytes in a
-        slot before a store, ``drain(i, slot)`` takes them out after a load."""
-        out: list[bool] = []
+        """Moves pages through the staging arena in chunks, two in flight: ``fill(i, slot)``
+        puts page i's bytes in a slot before a store, ``drain(i, slot)`` takes them out after
+        a load, while the next chunk's I/O runs. A call holds at most half the arena (two
+        chunks of a quarter) and waits for slots only while it holds none, so concurrent
+        calls never wait on each other's slots in a circle."""
+        out = [False] * len(keys)
+        pending: list[tuple[int, list[int], Any]] = []  # (first page, slots, submit handle)
         i = 0
-        while i < len(keys):
-            with self._cv:
-                if self._closing:
-                    return out + [False] * (len(keys) - i)
-                slots = self._take_staging(len(keys) - i)
-            try:
-                chunk = keys[i:i + len(slots)]
-                if not is_load:
-                    for j, s in enumerate(slots[:len(chunk)]):
-                        fill(i + j, s)
-                bkeys = self._block_keys(chunk)
-                ok = self._run(bkeys, slots[:len(chunk)], is_load)
-                for j, (k, s) in enumerate(zip(bkeys, slots)):
-                    good = ok[k]
-                    if good and is_load:
-                        drain(i + j, s)
-                    out.append(good)
-            finally:
+        try:
+            while i < len(keys) or pending:
+                while i < len(keys) and len(pending) < 2:
+                    with self._cv:
+                        if self._closing:
+                            break
+                        slots = self._take_staging(len(keys) - i, wait=not pending)
+                    if not slots:
+                        break
+                    try:
+                        if not is_load:
+                            for j, s in enumerate(slots):
+                                fill(i + j, s)
+                        handle = self._submit(self._block_keys(keys[i:i + len(slots)]), slots,
+                                              is_load)
+                    except BaseException:
+                        self._give_staging(slots)
+                        raise
+                    pending.append((i, slots, handle))
+                    i += len(slots)
+                if not pending:
+                    break  # closing
+                first, slots, handle = pending.pop(0)
+                try:
+                    ok = self._await(handle)
+                    for j, (k, s) in enumerate(zip(handle[0], slots)):
+                        if ok[k] and is_load:
+                            drain(first + j, s)
+                        out[first + j] = ok[k]
+                finally:
+                    self._give_staging(slots)
+        finally:
+            for _, slots, handle in pending:  # (an exception above: let their I/O finish)
+                self._await(handle)
                 self._give_staging(slots)
-            i += len(slots)
         return out
 
     # ------------------------------------------------------------------ v1: host pool slots
