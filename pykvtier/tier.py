@@ -720,17 +720,13 @@ class DiskTier:
             self._probing.append((first, wanted))
             self._stats["probes"] += len(digests)
 
-    def settle_probes(self) -> None:
-        """Submits the existence probes asked for since the last :meth:`on_step_end` and blocks
-        (GIL released) until every probe in flight completed, then applies them: each key
-        probed answers HIT or MISS afterwards (for ``probe_ttl_s``). For integrations that must
-        answer an existence question in the call, as SGLang's ``HiCacheStorage.batch_exists``.
-        A no-op on a tier that is not ``shared``, or once shut down."""
-        if self._closed or self._probe is None:
-            return
-        self.on_step_end()
-        if self._probing:
-            self._apply_probes(self._probe.wait())
+    @property
+    def probes_in_flight(self) -> bool:
+        """Whether existence probes are asked for (submitted by the next :meth:`on_step_end`)
+        or in flight: a key they cover answers RETRY until one applies them. For integrations
+        that answer an existence question within one call (SGLang's
+        ``HiCacheStorage.batch_exists``): call on_step_end() until this is False."""
+        return bool(self._probing or self._probe_wanted)
 
     def _apply_probes(self, results: Iterable | None = None, max_results: int | None = None) -> None:
         """Applies completed existence probes (polled without waiting; at most ``max_results``,

@@ -66,7 +66,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from .. import __version__
+from .. import __version__, _native
 from ..buffers import host_arena
 from ..config import DiskTierConfig, check_verify
 from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
@@ -85,6 +85,8 @@ SGLANG_KEYS = frozenset({
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 _ALIGN = 4096
 _COLLECT_WAIT_S = 0.05  # a collector's engine wait, before it looks at the lock again
+_PROBE_POLL_S = 0.001  # batch_exists on a shared root: how often it looks at its probes
+_PROBE_WAIT_S = 5.0  # ... and for how long at most (then the unanswered keys count as absent)
 
 
 def _opt(default: Any, doc: str, default_text: str | None = None) -> Any:
@@ -240,11 +242,12 @@ class _Geometry:
 class _Waiter:
     """The engine jobs of one call, and their results as the collectors hand them out."""
 
-    __slots__ = ("left", "results")
+    __slots__ = ("left", "results", "is_load")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, is_load: bool = True) -> None:
         self.left = n
         self.results: list[JobResult] = []
+        self.is_load = is_load
 
 
 class PyKVTierHiCache(HiCacheStorage):
@@ -292,6 +295,7 @@ class PyKVTierHiCache(HiCacheStorage):
         self._waiters: dict[int, _Waiter] = {}  # engine job id -> its call's waiter
         self._inflight = [0] * len(self.config.root_dir)  # jobs per shard
         self._collectors: list[threading.Thread] = []
+        self._claims: Any = None  # several roots: the arena's slots claimed across them
         self._closing = False
         self._pausing = 0  # clear() in progress: new jobs wait
         self._keep_metrics = bool(getattr(storage_config, "enable_storage_metrics", True))
@@ -380,6 +384,9 @@ class PyKVTierHiCache(HiCacheStorage):
             "page_bytes": geo.page_bytes, "flat_page_shape": list(dummy.shape),
             "blocks_per_page": geo.blocks_per_page, "is_mla_model": self.is_mla,
             "pp": [sc.pp_rank, sc.pp_size], "attn_cp": [sc.attn_cp_rank, sc.attn_cp_size],
+            # DP attention: replicas share the attention TP rank, told apart by dp_rank; each
+            # has its own directory (its own lock), as one instance per replica does
+            "dp_rank": int(getattr(sc, "dp_rank", 0) or 0),
         }
         if not self.is_mla:  # MLA pages are the same on every rank: one directory for all
             run["tp"] = [sc.tp_rank, sc.tp_size]
@@ -424,8 +431,10 @@ class PyKVTierHiCache(HiCacheStorage):
                     raise ValueError(f"PyKVTierHiCache: root {root!r}{split}: {exc}") from exc
                 self._tiers.append(tier)
                 self.namespace_dirs.append(ns)
-                tier.set_arena(arena)
-            self._tier_options, self._arena = opts, arena  # registers it as the engine's fixed buffers, once
+                arena_slots = tier.set_arena(arena).num_slots  # registered once: fixed buffers
+            self._tier_options, self._arena = opts, arena
+            self._claims = (_native.SlotClaims(arena_slots)
+                            if len(self._tiers) > 1 else None)  # registers it as the engine's fixed buffers, once
         except BaseException:
             for t in self._tiers:
                 t.shutdown()
@@ -441,6 +450,10 @@ class PyKVTierHiCache(HiCacheStorage):
 
     def _block_keys(self, keys: Sequence[str]) -> list[bytes]:
         """Every block key of ``keys``' pages, page by page (a page's blocks in region order)."""
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(f"PyKVTierHiCache: keys must be str (SGLang's page hashes), got "
+                                f"{type(k).__name__} {k!r}")
         n = self._geometry.blocks_per_page if self._geometry else 1
         if n == 1:
             return [k.encode() for k in keys]
@@ -461,21 +474,42 @@ class PyKVTierHiCache(HiCacheStorage):
         ``HiCacheStorage.batch_exists`` (a prefix count, not a list). From the index: never
         waits on the disk for keys it knows; on a ``shared`` root the others are probed in one
         batch (one io_uring submit of ``statx``) and waited for. Any thread."""
+        bkeys = self._block_keys(keys)
         if not keys or not self._tiers:
             return 0
-        bkeys = self._block_keys(keys)
         per = self._geometry.blocks_per_page
         with self._cv:
+            if self._closing:
+                return 0
             answers = self._lookup(bkeys)
             if LookupResult.RETRY in answers and any(t.config.shared for t in self._tiers):
-                for t in self._tiers:
-                    t.settle_probes()
-                answers = self._lookup(bkeys)
+                answers = self._settle(bkeys, answers)
         ok = [a is LookupResult.HIT or a is LookupResult.HIT_PENDING for a in answers]
         for i in range(len(keys)):
             if not all(ok[i * per:(i + 1) * per]):
                 return i
         return len(keys)
+
+    def _settle(self, bkeys: list[bytes], answers: list[LookupResult]) -> list[LookupResult]:
+        """The answers of a shared root once the probes of its RETRY keys completed: submits
+        them (one batch per root), then waits on the condition, the lock released, looking
+        again each ms (``_PROBE_POLL_S``) for at most ``_PROBE_WAIT_S``; a key still RETRY then
+        (e.g. being written) counts as absent. Called holding the lock."""
+        for t in self._tiers:
+            t.on_step_end()  # submits the probes the lookups asked for; never waits
+        deadline = time.monotonic() + _PROBE_WAIT_S
+        while LookupResult.RETRY in answers and not self._closing:
+            if not any(t.probes_in_flight for t in self._tiers) or time.monotonic() > deadline:
+                break
+            self._cv.wait(_PROBE_POLL_S)  # (lock released: other threads go on meanwhile)
+            if self._closing:
+                break
+            for t in self._tiers:
+                t.on_step_end()  # applies completed probes
+            retry = [i for i, a in enumerate(answers) if a is LookupResult.RETRY]
+            for i, a in zip(retry, self._lookup([bkeys[i] for i in retry])):
+                answers[i] = a
+        return answers
 
     def _lookup(self, bkeys: list[bytes]) -> list[LookupResult]:
         if len(self._tiers) == 1:
@@ -506,12 +540,25 @@ class PyKVTierHiCache(HiCacheStorage):
             ks.append(k)
             ss.append(s)
             ds.append(d)
-        waiter = _Waiter(0)
+        waiter = _Waiter(0, is_load)
         sent: dict[int, list[bytes]] = {}
+        claimed = b""
         with self._cv:
             self._cv.wait_for(lambda: not self._pausing or self._closing)
             if self._closing or not self._tiers:
-                return bkeys, waiter, sent
+                return bkeys, waiter, sent, claimed
+            if self._claims is not None:
+                # Several roots share one arena: its slots are claimed across them, as one
+                # DiskTier claims its own (two loads into a slot, or a store from a slot a load
+                # fills, would race in it). Released when the call has its results.
+                rows = np.asarray(slots, np.int64).tobytes()
+                try:
+                    self._claims.claim(next(self._job_ids), rows, is_load)
+                except ValueError as exc:
+                    logger.warning("pykvtier: SGLang %s batch of %d blocks refused: %s",
+                                   "get" if is_load else "set", len(bkeys), exc)
+                    return bkeys, waiter, sent, claimed
+                claimed = rows
             for shard, (ks, ss, ds) in parts.items():
                 jid = next(self._job_ids)
                 job = TransferJob(jid, ks, ss)
@@ -527,14 +574,16 @@ class PyKVTierHiCache(HiCacheStorage):
                 self._waiters[jid] = waiter
                 self._inflight[shard] += 1
             self._cv.notify_all()  # wakes the collectors
-        return bkeys, waiter, sent
+        return bkeys, waiter, sent, claimed
 
     def _await(self, handle: Any) -> dict[bytes, bool]:
         """Waits (on the condition, the lock released) until the jobs of ``handle`` finished:
         block key -> success."""
-        bkeys, waiter, sent = handle
+        bkeys, waiter, sent, claimed = handle
         with self._cv:
             self._cv.wait_for(lambda: waiter.left == 0)
+            if claimed:
+                self._claims.release(claimed, waiter.is_load)
         ok: dict[bytes, bool] = dict.fromkeys(bkeys, False)
         for r in waiter.results:
             done = r.successful_keys if r.successful_keys is not None else (
@@ -570,18 +619,37 @@ class PyKVTierHiCache(HiCacheStorage):
                     # look again shortly rather than spin.
                     self._cv.wait(_COLLECT_WAIT_S / 10)
 
-    def _host_pages(self, host_indices: torch.Tensor, n: int) -> np.ndarray:
-        """The first token slot of each of the ``n`` pages of ``host_indices`` (token slots,
-        ``n * page_size`` of them)."""
-        ps = self._pool.page_size
-        idx = host_indices.reshape(-1)
-        if idx.numel() != n * ps:
-            raise ValueError(f"PyKVTierHiCache: {idx.numel()} host indices for {n} pages of "
-                             f"{ps} tokens")
-        return idx[::ps].to(torch.int64).cpu().numpy()
+    def _host_pages(self, host_indices: Any, n: int) -> np.ndarray:
+        """The first token slot of each of the ``n`` pages of ``host_indices`` (a 1-D integer
+        tensor of ``n * page_size`` token slots, each page a run first..first+page_size-1 from
+        a page boundary, inside the pool). ValueError / TypeError naming host_indices else."""
+        ps, size = self._pool.page_size, int(self._pool.size)
+        if not isinstance(host_indices, torch.Tensor):
+            raise TypeError(f"PyKVTierHiCache: host_indices must be a torch.Tensor, not "
+                            f"{type(host_indices).__name__}")
+        if host_indices.dim() != 1 or host_indices.dtype.is_floating_point or \
+                host_indices.dtype == torch.bool:
+            raise ValueError(f"PyKVTierHiCache: host_indices must be a 1-D integer tensor of "
+                             f"token slots, got shape {tuple(host_indices.shape)} "
+                             f"{host_indices.dtype}")
+        if host_indices.numel() != n * ps:
+            raise ValueError(f"PyKVTierHiCache: {host_indices.numel()} host_indices for {n} "
+                             f"pages of {ps} tokens (want {n * ps})")
+        idx = host_indices.to(torch.int64).cpu().reshape(n, ps)
+        first = idx[:, 0]
+        bad = (first % ps != 0) | (first < 0) | (first + ps > size)
+        bad |= (idx != first[:, None] + torch.arange(ps)).any(dim=1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"PyKVTierHiCache: host_indices of page {i} ({idx[i, 0]}..{idx[i, -1]}) are not "
+                f"one page of the pool: each page must be {ps} consecutive token slots from a "
+                f"multiple of {ps} (a page boundary), within the pool's {size} slots")
+        return first.numpy()
 
     def _zero_copy_slots(self, host_indices: torch.Tensor, n: int) -> list[int]:
         """Arena slots (of block_bytes in the pool) of every block of the ``n`` pages."""
+        self._host_pages(host_indices, n)  # (checked before the pool reads them)
         geo = self._geometry
         ptrs, _ = self._pool.get_page_buffer_meta(host_indices)
         off = np.asarray(ptrs, dtype=np.int64) - geo.base
@@ -724,11 +792,16 @@ class PyKVTierHiCache(HiCacheStorage):
         nb = self._geometry.block_bytes
         out: list[Any] = [None] * len(keys)
 
+        for t in targets:
+            if t is not None:
+                _as_bytes(t, nb)  # (checks type and size before any I/O)
+
         def drain(i: int, s: int) -> None:
             t = targets[i]
             if t is None:
                 t = self._pool.get_dummy_flat_data_page()
-            _as_bytes(t, nb).copy_(self._staging[s, :nb])
+            # Into the caller's tensor itself, strided or not, in its logical (C) order.
+            t.copy_(self._staging[s, :nb].view(t.dtype).view(t.shape))
             out[i] = t
 
         t0 = time.monotonic()
@@ -779,6 +852,8 @@ class PyKVTierHiCache(HiCacheStorage):
     # ------------------------------------------------------------------ metrics, clear, close
 
     def _account(self, ok: list[bool], is_load: bool, seconds: float) -> None:
+        if self._geometry is None:  # (no pool registered: every page answered missing)
+            return
         good = sum(ok)
         gbps = good * self._geometry.page_bytes / 1e9 / seconds if seconds > 0 else 0.0
         side = "prefetch" if is_load else "backup"
@@ -819,7 +894,7 @@ class PyKVTierHiCache(HiCacheStorage):
         storage"): waits for the batches in flight, then empties the namespace directories and
         reopens them. Gets and sets that arrive meanwhile wait."""
         with self._cv:
-            if not self._tiers:
+            if not self._tiers or self._closing:
                 return
             self._pausing += 1
             try:
