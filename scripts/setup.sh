@@ -50,7 +50,8 @@ if ! vllm_check=$(cd / && "$venv_python" -c "import vllm, pykvtier.integrations.
 fi
 echo "$vllm_check" | tail -n 1
 # SGLang's config modules import torchvision (CUDA-only on PyPI): the same placeholder the tests use.
-if ! sglang_check=$(cd / && "$venv_python" -c "import sys; sys.path.insert(0, '$PWD/tests'); import sglang_torchvision_stub; sglang_torchvision_stub.install(); import sglang, sglang.srt.mem_cache.hicache_storage, pykvtier.integrations.sglang; print('setup: SGLang', sglang.__version__, 'ready for pykvtier.integrations.sglang')" 2>&1); then
+tests_dir="$PWD/tests"
+if ! sglang_check=$(cd / && "$venv_python" -c "import sys; sys.path.insert(0, '$tests_dir'); import sglang_torchvision_stub; sglang_torchvision_stub.install(); import sglang, sglang.srt.mem_cache.hicache_storage, pykvtier.integrations.sglang; print('setup: SGLang', sglang.__version__, 'ready for pykvtier.integrations.sglang')" 2>&1); then
   echo "$sglang_check" >&2
   exit 1
 fi
