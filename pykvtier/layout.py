@@ -874,3 +874,29 @@ def lock_root(root: str | os.PathLike, shared: bool, *, file_mode: int = 0o600) 
         except OSError:
             pass  # read-only descriptor, full disk: the lock itself holds
     return RootLock(root, fd, shared)
+
+
+def make_namespace_dir(parent: str, ns: str, mode: int, config: dict) -> None:
+    """An integration's namespace directory ``ns`` inside ``parent`` (e.g.
+    ROOT/pykvtier/<model>_<hash>), both made if missing with the directory mode of ``mode``
+    exactly (whatever the umask; a missing root above them gets the default mode), and
+    ``ns/config.json`` holding ``config`` (the run config the namespace stands for), written
+    once (temporary, then renamed) with file mode ``mode``. OSError as the system raises it."""
+    for d in (parent, ns):
+        try:
+            os.makedirs(d, dir_mode_of(mode))
+        except FileExistsError:
+            continue
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, dir_mode_of(mode))
+        finally:
+            os.close(fd)
+    path = os.path.join(ns, "config.json")
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+        with open(fd, "w") as f:
+            os.fchmod(fd, mode)
+            json.dump(config, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)

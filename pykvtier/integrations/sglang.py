@@ -69,7 +69,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from .. import __version__, _native
 from ..buffers import host_arena
 from ..config import DiskTierConfig, check_verify
-from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
+from ..layout import RootLockedError, check_file_mode, key_digest, make_namespace_dir
 from ..tier import DiskTier, JobResult, LookupResult, TransferJob
 
 __all__ = ["PyKVTierHiCache", "PyKVTierHiCacheConfig"]
@@ -414,7 +414,9 @@ class PyKVTierHiCache(HiCacheStorage):
             for root in cfg.root_dir:
                 ns = os.path.join(root, "pykvtier-sglang", name)
                 try:
-                    _make_dirs(root, ns, cfg.mode, run)
+                    make_namespace_dir(os.path.join(root, "pykvtier-sglang"), ns, cfg.mode,
+                                       {"format": "pykvtier-sglang",
+                                        "pykvtier_version": __version__, **run})
                 except OSError as exc:
                     raise ValueError(f"PyKVTierHiCache: root {root!r}: cannot create the "
                                      f"backend's directory ({exc.filename}: {exc.strerror})") from exc
@@ -940,22 +942,3 @@ def _as_bytes(t: Any, nbytes: int) -> torch.Tensor:
         raise ValueError(f"PyKVTierHiCache: a page tensor of {b.numel()} bytes, pages here are "
                          f"{nbytes} bytes")
     return b
-
-
-def _make_dirs(root: str, ns: str, mode: int, run: dict[str, Any]) -> None:
-    """ROOT/pykvtier-sglang/<namespace> with the dir mode of ``mode``, and its config.json."""
-    for d in (os.path.join(root, "pykvtier-sglang"), ns):
-        try:
-            os.makedirs(d, dir_mode_of(mode))
-        except FileExistsError:
-            continue
-        os.chmod(d, dir_mode_of(mode))
-    cfg = os.path.join(ns, "config.json")
-    if not os.path.exists(cfg):
-        tmp = f"{cfg}.tmp.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-        with open(fd, "w") as f:
-            os.fchmod(fd, mode)
-            json.dump({"format": "pykvtier-sglang", "pykvtier_version": __version__, **run}, f,
-                      indent=2, sort_keys=True)
-        os.replace(tmp, cfg)

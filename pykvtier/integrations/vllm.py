@@ -33,7 +33,6 @@ Importing this module imports vLLM; importing ``pykvtier`` never does.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -65,7 +64,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .. import __version__, _native
 from ..config import DiskTierConfig, check_verify
-from ..layout import RootLockedError, check_file_mode, dir_mode_of, key_digest
+from ..layout import RootLockedError, check_file_mode, key_digest, make_namespace_dir
 from ..tier import DiskTier
 from ..tier import JobResult as TierJobResult
 from ..tier import LookupResult as TierLookupResult
@@ -521,25 +520,9 @@ class PyKVTier(SecondaryTierManager):
             root_dir=os.path.join(root, "pykvtier"), offloading_spec=spec,
             blocks_per_file=spec.blocks_per_chunk, parallel_agnostic=True)
         ns = f"{mapper.base_path}_r{mapper.rank}"
-        for d in (os.path.join(root, "pykvtier"), ns):
-            try:
-                os.makedirs(d, dir_mode_of(mode))  # (a missing root_dir: the default mode)
-            except FileExistsError:
-                continue
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            try:
-                os.fchmod(fd, dir_mode_of(mode))  # exactly, whatever the umask
-            finally:
-                os.close(fd)
-        cfg = os.path.join(ns, "config.json")
-        if not os.path.exists(cfg):
-            tmp = f"{cfg}.tmp.{os.getpid()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-            with open(fd, "w") as f:
-                os.fchmod(fd, mode)
-                json.dump({"format": "pykvtier", "pykvtier_version": __version__,
-                           **mapper.get_run_config()}, f, indent=2, sort_keys=True)
-            os.replace(tmp, cfg)
+        make_namespace_dir(os.path.join(root, "pykvtier"), ns, mode,
+                           {"format": "pykvtier", "pykvtier_version": __version__,
+                            **mapper.get_run_config()})
         return ns
 
     # ------------------------------------------------------------------ phase 1
