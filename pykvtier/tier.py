@@ -722,11 +722,19 @@ class DiskTier:
 
     @property
     def probes_in_flight(self) -> bool:
-        """Whether existence probes are asked for (submitted by the next :meth:`on_step_end`)
-        or in flight: a key they cover answers RETRY until one applies them. For integrations
-        that answer an existence question within one call (SGLang's
-        ``HiCacheStorage.batch_exists``): call on_step_end() until this is False."""
-        return bool(self._probing or self._probe_wanted)
+        """Whether existence probes submitted (by :meth:`on_step_end`) have not all been
+        applied yet: a key they cover answers RETRY until :meth:`apply_probes` (or its own
+        lookup) applies its result. For integrations that answer an existence question within
+        one call (SGLang's ``HiCacheStorage.batch_exists``): on_step_end() once, then
+        apply_probes() until this is False. Probes asked for but not submitted do not count."""
+        return bool(self._probing)
+
+    def apply_probes(self) -> None:
+        """Applies the existence probes that completed, without waiting and without submitting
+        the ones asked for since (:meth:`on_step_end` does both). A no-op once shut down, or on
+        a tier that is not ``shared``."""
+        if not self._closed and self._probe is not None and self._probing:
+            self._apply_probes()
 
     def _apply_probes(self, results: Iterable | None = None, max_results: int | None = None) -> None:
         """Applies completed existence probes (polled without waiting; at most ``max_results``,

@@ -562,3 +562,14 @@ def test_no_metrics_are_kept_without_storage_metrics(root):
         assert b.stats()["pages_stored"] == 2
     finally:
         b.close()
+
+
+def test_batch_exists_on_a_shared_root_probes_each_unknown_key_once(root, backends):
+    """probe_ttl_s=0 (a miss is not remembered): one batch_exists of 8 unknown keys submits 8
+    probes and returns 0 once they are applied, rather than probing again until its deadline."""
+    _, host = mla_host("page_first")
+    b = build(host, root, mla=True, shared=True, probe_ttl_s=0)
+    backends.append(b)
+    assert b.batch_exists(keys_of(8, "u")) == 0
+    st = b.stats()
+    assert (st["probes"], st["probe_results_applied"]) == (8, 8)

@@ -495,8 +495,9 @@ class PyKVTierHiCache(HiCacheStorage):
     def _settle(self, bkeys: list[bytes], answers: list[LookupResult]) -> list[LookupResult]:
         """The answers of a shared root once the probes of its RETRY keys completed: submits
         them (one batch per root), then waits on the condition, the lock released, looking
-        again each ms (``_PROBE_POLL_S``) for at most ``_PROBE_WAIT_S``; a key still RETRY then
-        (e.g. being written) counts as absent. Called holding the lock."""
+        again each ms (``_PROBE_POLL_S``) until those probes are applied, for at most
+        ``_PROBE_WAIT_S``; a key still RETRY then (e.g. being written) counts as absent. Called
+        holding the lock."""
         for t in self._tiers:
             t.on_step_end()  # submits the probes the lookups asked for; never waits
         deadline = time.monotonic() + _PROBE_WAIT_S
@@ -507,7 +508,7 @@ class PyKVTierHiCache(HiCacheStorage):
             if self._closing:
                 break
             for t in self._tiers:
-                t.on_step_end()  # applies completed probes
+                t.apply_probes()  # (submits none: a probe_ttl_s=0 miss asks again, next call)
             retry = [i for i, a in enumerate(answers) if a is LookupResult.RETRY]
             for i, a in zip(retry, self._lookup([bkeys[i] for i in retry])):
                 answers[i] = a
