@@ -78,6 +78,7 @@ except ImportError:
 
 from pykvtier.bench.sysutil import (  # noqa: E402
     GiB, ColdCache, default_bench_dir, fmt_size, mount_of, plural, rusage_cpu)
+from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
 TIERS = ("pykvtier-v1", "pykvtier-legacy", "hicache-file")
@@ -237,13 +238,6 @@ def u8(t) -> np.ndarray:
 # ----------------------------------------------------------------------------- measurement
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 class Meter:

@@ -72,6 +72,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
 from pykvtier.bench.sysutil import ColdCache, default_bench_dir, mount_of, rusage_cpu  # noqa: E402
+from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
 GiB = 1 << 30
@@ -176,13 +177,6 @@ def fs_backend() -> str:
 # ----------------------------------------------------------------------------- the run
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def run_block_size(args, block: int, cold: ColdCache, rng) -> list[dict]:

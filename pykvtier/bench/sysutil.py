@@ -15,12 +15,21 @@ import statistics
 import subprocess
 
 
+def quantile(xs, q: float) -> float:
+    """The ``q`` quantile (0..1, linear interpolation, as numpy.quantile) of ``xs``; NaN for
+    none."""
+    import numpy as np
+
+    return float(np.quantile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
+
+
 def plural(n: int, noun: str, plural_form: str | None = None) -> str:
     """``1 job``, ``3 jobs`` (``plural_form``: where the plural is not noun + "s")."""
     return f"{n} {noun if n == 1 else plural_form or noun + 's'}"
 
 __all__ = [
     "GiB",
+    "quantile",
     "plural",
     "MAP_HUGETLB",
     "fmt_size",
