@@ -236,7 +236,6 @@ class _Geometry:
     block_bytes: int  # payload bytes of one block
     page_bytes: int  # a page's bytes, all its blocks
     base: int = 0  # zero copy: the pool's address (the arena)
-    arena_bytes: int = 0
 
 
 class _Waiter:
@@ -366,12 +365,12 @@ class PyKVTierHiCache(HiCacheStorage):
             return flat
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(pool.page_size, dtype=torch.int64))
         buf = pool.kv_buffer
-        base, nbytes = int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+        base = int(buf.data_ptr())
         n = len(ptrs)
         if (n not in (1, 2) or len(set(sizes)) != 1 or sizes[0] * n != page_bytes
                 or base % _ALIGN or not buf.is_contiguous()):
             return flat
-        return _Geometry(True, n, int(sizes[0]), page_bytes, base, nbytes)
+        return _Geometry(True, n, int(sizes[0]), page_bytes, base)
 
     def _namespace(self, pool: Any, geo: _Geometry) -> tuple[str, dict[str, Any]]:
         """The directory name of this model, pool and rank inside ROOT/pykvtier-sglang, and the
@@ -535,14 +534,16 @@ class PyKVTierHiCache(HiCacheStorage):
         """Submits the jobs (one per root) moving blocks ``bkeys`` to/from arena ``slots``;
         returns the handle :meth:`_await` takes. A job a tier refuses (ValueError: a slot in
         use by another job) fails its keys, logged."""
-        parts: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}
-        for k, s in zip(bkeys, slots):
-            d = key_digest(k)
-            ks, ss, ds = parts.setdefault(self._shard(d) if len(self._tiers) > 1 else 0,
-                                          ([], [], []))
-            ks.append(k)
-            ss.append(s)
-            ds.append(d)
+        parts: dict[int, tuple[list[bytes], list[int], list[bytes] | None]] = {}
+        if len(self._tiers) == 1:
+            parts[0] = (bkeys, slots, None)  # the tier digests the keys itself, in C++
+        else:
+            for k, s in zip(bkeys, slots):
+                d = key_digest(k)  # once: the shard, then the tier's index and file name
+                ks, ss, ds = parts.setdefault(self._shard(d), ([], [], []))
+                ks.append(k)
+                ss.append(s)
+                ds.append(d)
         waiter = _Waiter(0, is_load)
         sent: dict[int, list[bytes]] = {}
         claimed = b""
