@@ -573,3 +573,10 @@ def test_batch_exists_on_a_shared_root_probes_each_unknown_key_once(root, backen
     assert b.batch_exists(keys_of(8, "u")) == 0
     st = b.stats()
     assert (st["probes"], st["probe_results_applied"]) == (8, 8)
+
+
+def test_a_capacity_too_small_once_split_over_the_roots_says_so(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with pytest.raises(ValueError, match=r"capacity_bytes=12288 split over 2 roots\): "
+                                         r"capacity_bytes=6144 cannot hold one block"):
+        PyKVTierHiCache(storage_config(extra(roots, capacity_bytes=12288)), {})

@@ -278,11 +278,13 @@ class PyKVTierHiCache(HiCacheStorage):
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.is_writer = bool(storage_config.is_storage_writer)
         self.is_mla = bool(storage_config.is_mla_model)
+        cfg = self.config
+        split = (f" (capacity_bytes={cfg.capacity_bytes} split over {len(cfg.root_dir)} roots)"
+                 if cfg.capacity_bytes is not None and len(cfg.root_dir) > 1 else "")
         try:  # every DiskTier option checked before any root is touched
-            DiskTierConfig(self.config.root_dir[0], _ALIGN,
-                           **self.config.disk_tier_options(self.config.shared))
+            DiskTierConfig(cfg.root_dir[0], _ALIGN, **cfg.disk_tier_options(cfg.shared))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"PyKVTierHiCache: {exc}") from exc
+            raise ValueError(f"PyKVTierHiCache{split}: {exc}") from exc
         self._cv = threading.Condition(threading.Lock())
         self._tiers: list[DiskTier] = []
         self.namespace_dirs: list[str] = []
