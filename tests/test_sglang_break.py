@@ -450,7 +450,7 @@ os._exit(0)
         "for batches in flight, would hang the scheduler's detach too; the posix engine fails "
         "the page ([True, False, True]), and with O_DIRECT the open fails EINVAL")))])
 def test_fifo_at_a_block_name_fails_the_page_and_does_not_hang(root, engine):
-    out = subprocess.run([sys.executable, "-c", _FIFO_SCRIPT.format(tests=TESTS), root, engine],
+    out = subprocess.run([sys.executable, "-P", "-c", _FIFO_SCRIPT.format(tests=TESTS), root, engine],
                          capture_output=True, text=True, timeout=240)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, out.stderr[-2000:]
@@ -651,7 +651,7 @@ def test_restart_after_sigkill_mid_set(root):
     """A process storing pages is SIGKILLed mid-batch; a dead writer's temporaries and a
     half-written block at its final name are planted too. The next backend opens the root,
     sweeps the temporaries, finds every complete page byte-exact and never a partial one."""
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT.format(tests=TESTS), root],
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _KILL_SCRIPT.format(tests=TESTS), root],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     batches = 0
     try:
