@@ -19,7 +19,9 @@ __all__ = ["Arena", "as_arena", "host_arena"]
 @dataclass(frozen=True)
 class Arena:
     """A memory region: ``addr`` (int), ``nbytes``, ``slot_bytes`` (stride between slots),
-    ``device`` ("cpu", or the CUDA device of a device arena, e.g. "cuda:0")."""
+    ``device`` ("cpu", or the CUDA device of a device arena, e.g. "cuda:0"). ``span``: slots a
+    block covers; 1 (slots apart) unless the arena is spanning (``DiskTier.set_arena(...,
+    spanning=True)``: a block may start at any slot and covers ``span`` consecutive ones)."""
 
     addr: int
     nbytes: int
@@ -27,10 +29,12 @@ class Arena:
     readonly: bool
     owner: Any  # keeps the memory alive
     device: str = "cpu"
+    span: int = 1
 
     @property
     def num_slots(self) -> int:
-        return self.nbytes // self.slot_bytes
+        """Slots a block can start at: every one whose block ends inside the arena."""
+        return max(0, self.nbytes // self.slot_bytes - self.span + 1)
 
     def slot_addr(self, slot: int) -> int:
         return self.addr + slot * self.slot_bytes

@@ -551,12 +551,18 @@ class DiskTier:
         except FileNotFoundError:
             return False
 
-    def set_arena(self, buffer: Any, slot_bytes: int | None = None) -> Arena:
+    def set_arena(self, buffer: Any, slot_bytes: int | None = None, *, spanning: bool = False) -> Arena:
         """Sets the host arena that jobs' ``slot_ids`` index, and registers it as io_uring fixed
         buffers. ``buffer``: numpy array, buffer-protocol object or CPU torch tensor, writable,
         page-aligned. ``slot_bytes`` >= block_size_bytes: by default a multi-dimensional
         arena's row (one slot per row; a row shorter than a block is a ValueError), else
         ``block_size_bytes``.
+        ``spanning=True`` (host arenas): blocks may start at any slot, slots being ``slot_bytes``
+        apart (default and minimum: the O_DIRECT memory alignment, 4096; a multiple of it), and
+        a block covers ``ceil(block_size_bytes / slot_bytes)`` consecutive slots: for an
+        allocator's arena whose objects start at any page (LMCache's). Slot ``s`` is bytes
+        ``[s * slot_bytes, + block_size_bytes)``; jobs in flight may not cover one slot twice
+        unless all of them are stores (ValueError naming the slot, as for plain slots).
         A CUDA tensor makes a device arena: blocks move by the path of ``device_path``
         (:mod:`pykvtier.engines.gpu`; ``self.device_path`` says which and why).
         Raises ValueError (naming address and alignment) for misaligned or read-only memory.
@@ -566,10 +572,28 @@ class DiskTier:
             raise RuntimeError("DiskTier is shut down")
         if self._pending:
             raise RuntimeError("set_arena() while jobs are in flight")
+        if not isinstance(spanning, bool):
+            raise TypeError(f"spanning must be a bool, got {spanning!r}")
+        if spanning:
+            if slot_bytes is None:
+                slot_bytes = self.mem_align
+            if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int):
+                raise TypeError(f"slot_bytes must be an int, got {slot_bytes!r}")
+            if slot_bytes <= 0 or slot_bytes % self.mem_align:
+                raise ValueError(f"a spanning arena's slot_bytes ({slot_bytes}) must be a positive "
+                                 f"multiple of {self.mem_align}")
         arena = as_arena(buffer, slot_bytes, default_slot_bytes=self.block_size_bytes)
+        if spanning:
+            if arena.device != "cpu":
+                raise ValueError("a spanning arena is host memory; a device arena's slots are apart")
+            span = -(-self.block_size_bytes // arena.slot_bytes)
+            if arena.nbytes // arena.slot_bytes < span:
+                raise ValueError(f"arena of {arena.nbytes} bytes is smaller than one block "
+                                 f"({self.block_size_bytes} bytes)")
+            arena = dataclasses.replace(arena, span=span)
         if arena.readonly:
             raise ValueError("arena is read-only: loads must write into it")
-        if arena.slot_bytes < self.block_size_bytes:
+        if not spanning and arena.slot_bytes < self.block_size_bytes:
             raise ValueError(f"arena slots of {arena.slot_bytes} bytes are smaller than a block "
                              f"({self.block_size_bytes} bytes)")
         if arena.device != "cpu":
@@ -599,13 +623,13 @@ class DiskTier:
             self._arena.release()  # the rings have let go of it (await_buffers)
         self._arena = arena
         self._space = self._block_space(arena)
-        self._claims = _native.SlotClaims(arena.num_slots)
+        self._claims = _native.SlotClaims(arena.num_slots, arena.span)
         return arena
 
     def _block_space(self, arena: Arena) -> Any:
         """Where the engine's block requests go: this root's block files, ``arena``'s slots."""
         return _native.BlockSpace(self.layout.blocks_dir, self.block_size_bytes, arena.addr,
-                                  arena.slot_bytes, arena.num_slots)
+                                  arena.slot_bytes, arena.num_slots, arena.span > 1)
 
     def _use_engine(self, build: Any = None) -> None:
         """The one place the tier's engine is set: the host engine, or with ``build`` (host

@@ -43,11 +43,14 @@ py::list as_entries(Op op, const std::vector<Request>& reqs) {
 }
 
 // Slots jobs in flight use: per slot 0 (free), kLoading (a load writes it) or the count of store
-// entries reading it (claim/release, under the GIL).
+// entries reading it (claim/release, under the GIL). With span > 1 a job's slot s uses the span
+// slots s .. s + span - 1 (a spanning BlockSpace's block), each claimed as above.
 class SlotClaims {
  public:
-  explicit SlotClaims(uint64_t num_slots) : use_(num_slots, 0) {
+  explicit SlotClaims(uint64_t num_slots, uint64_t span = 1) : span_(span), num_slots_(num_slots) {
     if (num_slots == 0) throw py::value_error("num_slots is 0");
+    if (span == 0) throw py::value_error("span is 0");
+    use_.assign(num_slots + span - 1, 0);
   }
   // Claims every slot of slots (n native int64, each in [0, num_slots): the caller's check) for
   // job_id, or none: a load's alone (ValueError naming the first slot another job uses), a store's
@@ -60,16 +63,23 @@ class SlotClaims {
     try {
       for (; i < n; ++i) {
         const uint64_t s = slot_at(p, i);
-        uint32_t& u = use_[s];
-        if (u == kLoading)
-          throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
-                                " is being loaded by another job (" +
-                                (load ? "two reads into one slot would race)"
-                                      : "a store from it would write what that load leaves there)"));
-        if (load && u != 0)
-          throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
-                                " is being read by a store in flight (the load would overwrite what it stores)");
-        u = load ? kLoading : u + 1;
+        for (uint64_t k = 0; k < span_; ++k) {
+          uint32_t& u = use_[s + k];
+          if (u == kLoading) {
+            release_part(s, k, load);
+            throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
+                                  (k ? " overlaps a slot that" : "") + " is being loaded by another job (" +
+                                  (load ? "two reads into one slot would race)"
+                                        : "a store from it would write what that load leaves there)"));
+          }
+          if (load && u != 0) {
+            release_part(s, k, load);
+            throw py::value_error("job " + std::to_string(job_id) + ": slot " + std::to_string(s) +
+                                  (k ? " overlaps a slot that" : "") +
+                                  " is being read by a store in flight (the load would overwrite what it stores)");
+          }
+          u = load ? kLoading : u + 1;
+        }
       }
     } catch (...) {
       release_first(p, i, load);  // none claimed
@@ -81,27 +91,33 @@ class SlotClaims {
     HeldBuffer b(slots, "slots");
     release_first(b.data(), b.nbytes() / 8, load);
   }
-  // Slots in use (by a load or by stores).
+  // Slots in use (by a load or by stores; with span > 1, every slot a claimed block covers).
   size_t claimed() const { return use_.size() - size_t(std::count(use_.begin(), use_.end(), 0u)); }
 
  private:
   static constexpr uint32_t kLoading = UINT32_MAX;
+  void release_one(uint32_t& u, bool load) {
+    if (load)
+      u = 0;
+    else if (u != 0 && u != kLoading)
+      --u;
+  }
+  // Releases the first k slots of slot s's span.
+  void release_part(uint64_t s, uint64_t k, bool load) {
+    for (uint64_t j = 0; j < k; ++j) release_one(use_[s + j], load);
+  }
   void release_first(const uint8_t* p, size_t n, bool load) {
-    for (size_t k = 0; k < n; ++k) {
-      uint32_t& u = use_[slot_at(p, k)];
-      if (load)
-        u = 0;
-      else if (u != 0 && u != kLoading)
-        --u;
-    }
+    for (size_t i = 0; i < n; ++i) release_part(slot_at(p, i), span_, load);
   }
   uint64_t slot_at(const uint8_t* p, size_t i) const {
     int64_t s;
     std::memcpy(&s, p + 8 * i, 8);
-    if (s < 0 || uint64_t(s) >= use_.size())
-      throw py::value_error("slot " + std::to_string(s) + " is outside [0, " + std::to_string(use_.size()) + ")");
+    if (s < 0 || uint64_t(s) >= num_slots_)
+      throw py::value_error("slot " + std::to_string(s) + " is outside [0, " + std::to_string(num_slots_) + ")");
     return uint64_t(s);
   }
+  uint64_t span_ = 1;
+  uint64_t num_slots_ = 0;
   std::vector<uint32_t> use_;
 };
 
@@ -109,7 +125,9 @@ class SlotClaims {
 
 void register_block_space(py::module_& m) {
   py::class_<SlotClaims>(m, "SlotClaims", R"doc(
-The arena slots jobs in flight use: SlotClaims(num_slots). claim(job_id, slots, load) claims every
+The arena slots jobs in flight use: SlotClaims(num_slots, span=1). With span > 1 a job's slot s
+stands for the span slots s .. s + span - 1 (a spanning BlockSpace's block), each claimed as one.
+claim(job_id, slots, load) claims every
 slot of slots (a buffer of native int64: bytes, array('q'), numpy int64) or none: a load's slots
 for it alone (ValueError naming the job and the slot when another load writes it: two reads racing
 into one slot would each fail verification over the other's bytes; or a store reads it: the store
@@ -118,7 +136,7 @@ load writes one). release(slots, load) frees what claim took; claimed() counts t
 slot outside [0, num_slots) is a ValueError. Not thread-safe (the tier's thread; an adapter over
 several tiers may share one).
 )doc")
-      .def(py::init<uint64_t>(), py::arg("num_slots"))
+      .def(py::init<uint64_t, uint64_t>(), py::arg("num_slots"), py::arg("span") = 1)
       .def("claim", &SlotClaims::claim, py::arg("job_id"), py::arg("slots"), py::arg("load"))
       .def("release", &SlotClaims::release, py::arg("slots"), py::arg("load"))
       .def("claimed", &SlotClaims::claimed);
@@ -131,28 +149,32 @@ several tiers may share one).
   py::class_<BlockSpace>(m, "BlockSpace", R"doc(
 A tier's block space: its block files' directory and the arena its slots are in.
 
-BlockSpace(blocks_dir: str, payload_bytes: int, arena_addr: int, slot_bytes: int, num_slots: int)
+BlockSpace(blocks_dir: str, payload_bytes: int, arena_addr: int, slot_bytes: int, num_slots: int,
+           spanning: bool = False)
 
 Slot s is the memory [arena_addr + s * slot_bytes, + payload_bytes) (host or device memory, as
-the engine it is given to moves it). Names (str): block_path(d) = blocks_dir + "/<2 hex>/<32
+the engine it is given to moves it). With spanning=True slot_bytes may be smaller than
+payload_bytes: slots start every slot_bytes and a block covers several (the caller keeps jobs'
+blocks apart, e.g. SlotClaims(num_slots, span)). Names (str): block_path(d) = blocks_dir + "/<2 hex>/<32
 hex>.kvb" of the 16-byte key digest d (pykvtier.layout.Layout.block_path); tmp_path(d) =
 block_path(d) + ".tmp.<pid>.<n>", n the next tmp_sequence() (pid taken at construction).
-Raises ValueError naming the argument: payload_bytes 0 or above 1 GiB, slot_bytes <
-payload_bytes, arena_addr 0, num_slots 0, an arena past the end of the address space, a
+Raises ValueError naming the argument: payload_bytes 0 or above 1 GiB, slot_bytes 0 or (not
+spanning) < payload_bytes, arena_addr 0, num_slots 0, an arena past the end of the address space, a
 blocks_dir that is empty, has a NUL byte or leaves no room for its names under PATH_MAX.
 Immutable; thread-safe. Engines take it in submit_blocks.
 )doc")
       .def(py::init([](const std::string& blocks_dir, uint64_t payload_bytes, uint64_t arena_addr, uint64_t slot_bytes,
-                       uint64_t num_slots) {
+                       uint64_t num_slots, bool spanning) {
              try {
-               return BlockSpace(blocks_dir, payload_bytes, arena_addr, slot_bytes, num_slots);
+               return BlockSpace(blocks_dir, payload_bytes, arena_addr, slot_bytes, num_slots, spanning);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
            }),
            py::arg("blocks_dir"), py::arg("payload_bytes"), py::arg("arena_addr"), py::arg("slot_bytes"),
-           py::arg("num_slots"))
+           py::arg("num_slots"), py::arg("spanning") = false)
       .def_readonly("blocks_dir", &BlockSpace::blocks_dir)
+      .def_readonly("spanning", &BlockSpace::spanning)
       .def_readonly("payload_bytes", &BlockSpace::payload_bytes)
       .def_readonly("arena_addr", &BlockSpace::arena_addr)
       .def_readonly("slot_bytes", &BlockSpace::slot_bytes)

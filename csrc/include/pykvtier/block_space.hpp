@@ -5,6 +5,9 @@
 //   block_path(d) = blocks_dir + "/" + block_name(d)    (block_format.hpp: "<2 hex>/<32 hex>.kvb")
 //   tmp_path(d)   = block_path(d) + ".tmp." + pid + "." + next_tmp_sequence()
 //   slot s        = [arena_addr + s * slot_bytes, + payload_bytes)
+// Slots are apart (slot_bytes >= payload_bytes) or, for a spanning space, start every slot_bytes
+// and overlap (a block covers ceil(payload_bytes / slot_bytes) consecutive slots; the caller
+// keeps the slots of jobs in flight apart, e.g. with SlotClaims(span)).
 #pragma once
 
 #include <unistd.h>
@@ -42,15 +45,18 @@ struct BlockSpace {
   uint64_t arena_addr = 0;
   uint64_t slot_bytes = 0;
   uint64_t num_slots = 0;
+  bool spanning = false;  // slots overlap: slot_bytes may be smaller than payload_bytes
   int64_t pid = 0;  // getpid() at construction: the temporaries' owner
   std::atomic<uint64_t>* tmp_sequence = nullptr;
 
   // Throws std::invalid_argument naming the argument: payload_bytes 0 or above 1 GiB, slot_bytes
-  // < payload_bytes, arena_addr 0, num_slots 0, an arena past the end of the address space, a
-  // blocks_dir that is empty, has a NUL byte, or is longer than kMaxBlocksDirBytes.
-  BlockSpace(std::string dir, uint64_t payload, uint64_t arena, uint64_t slot, uint64_t slots)
+  // < payload_bytes (unless spanning; slot_bytes 0 either way), arena_addr 0, num_slots 0, an
+  // arena past the end of the address space, a blocks_dir that is empty, has a NUL byte, or is
+  // longer than kMaxBlocksDirBytes.
+  BlockSpace(std::string dir, uint64_t payload, uint64_t arena, uint64_t slot, uint64_t slots,
+             bool span = false)
       : blocks_dir(std::move(dir)), payload_bytes(payload), arena_addr(arena), slot_bytes(slot),
-        num_slots(slots), pid(::getpid()), tmp_sequence(&tmp_sequence_counter()) {
+        num_slots(slots), spanning(span), pid(::getpid()), tmp_sequence(&tmp_sequence_counter()) {
     auto bad = [](const std::string& what) { throw std::invalid_argument(what); };
     if (blocks_dir.empty()) bad("blocks_dir is empty");
     if (blocks_dir.find('\0') != std::string::npos) bad("blocks_dir contains a NUL byte");
@@ -60,12 +66,14 @@ struct BlockSpace {
     if (payload_bytes == 0) bad("payload_bytes is 0");
     if (payload_bytes > kMaxBlockPayloadBytes)
       bad("payload_bytes " + std::to_string(payload_bytes) + " exceeds the 1 GiB per-request limit");
-    if (slot_bytes < payload_bytes)
+    if (slot_bytes == 0) bad("slot_bytes is 0");
+    if (!spanning && slot_bytes < payload_bytes)
       bad("slot_bytes " + std::to_string(slot_bytes) + " is smaller than payload_bytes " +
           std::to_string(payload_bytes));
     if (arena_addr == 0) bad("arena_addr is 0 (NULL)");
     if (num_slots == 0) bad("num_slots is 0");
-    if (num_slots > (UINT64_MAX - arena_addr) / slot_bytes)
+    if (num_slots - 1 > (UINT64_MAX - arena_addr - payload_bytes) / slot_bytes ||
+        num_slots > (UINT64_MAX - arena_addr) / slot_bytes)
       bad("the arena (num_slots " + std::to_string(num_slots) + " * slot_bytes " + std::to_string(slot_bytes) +
           " from arena_addr) runs past the end of the address space");
   }
