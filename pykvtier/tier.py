@@ -149,7 +149,7 @@ _TIER_STATS = (
     "load_failures", "store_failures", "verify_failures", "quarantined", "evictions",
     "eviction_failures", "capacity_rejections", "probes", "probe_hits", "probe_results_applied",
     "stale_temporaries_removed", "direct_fallbacks", "malformed_block_files", "evictions_recycled",
-    "store_retries", "leftovers_removed", "loads_refused")
+    "store_retries", "leftovers_removed", "loads_refused", "blocks_removed")
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(DiskTierConfig)) - {"root_dir",
@@ -693,6 +693,48 @@ class DiskTier:
         and not being evicted), from the index alone: no probe, nothing counted (lookup's
         statistics are the engine's questions). For an adapter's stored events."""
         return self._bindex.state(digest) == _PRESENT
+
+    def pin(self, digests: Iterable[bytes]) -> list[bool]:
+        """Holds blocks against eviction and removal, as a load in flight holds the block it
+        reads, until :meth:`unpin`: one bool per digest (16-byte key digests), True where the
+        block is present (and now pinned; pinned twice, it needs two unpins), False where it is
+        not (nothing held). A pinned block still counts in ``used_bytes``: with every block
+        pinned, stores needing room fail. For engines with pin/unpin semantics (LMCache's
+        ``StorageBackendInterface.pin``)."""
+        ds = list(digests)
+        if self._closed:
+            raise RuntimeError("DiskTier is shut down")
+        codes = self._bindex.admit_loads(b"".join(ds))
+        return [True] * len(ds) if codes is None else [c == _ADMIT_OK for c in codes]
+
+    def unpin(self, digests: Iterable[bytes]) -> None:
+        """Releases what :meth:`pin` held (only digests it answered True for, once per True). A
+        pinned block whose load failed meanwhile is dropped with its last pin."""
+        ds = b"".join(digests)
+        if ds and not self._closed:
+            self._used_bytes -= self._bindex.finish_loads(ds) * self.file_bytes
+
+    def remove(self, digests: Iterable[bytes]) -> list[bool]:
+        """Removes present blocks that no load reads and nobody pinned: from now on MISS (the
+        files are unlinked asynchronously, as evictions are); one bool per digest, True where
+        removed. Counted in ``stats()["blocks_removed"]``; announced by :meth:`take_removed`.
+        For engines' explicit removal (LMCache's ``remove``)."""
+        if self._closed:
+            raise RuntimeError("DiskTier is shut down")
+        out, gone = [], []
+        for d in digests:
+            ok = bool(self._bindex.set_removing(d))
+            out.append(ok)
+            if ok:
+                gone.append(d)
+        if gone:
+            self._stats["blocks_removed"] += len(gone)
+            if self._removed is not None:
+                self._removed.extend(gone)
+            self._used_bytes -= len(gone) * self.file_bytes
+            self._fs_free += len(gone) * self.file_bytes
+            self._unlink_async(gone)
+        return out
 
     def _counted(self, r: LookupResult) -> LookupResult:
         self._bindex.count(_ANSWER_CODE[r])

@@ -55,8 +55,8 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -68,9 +68,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from .. import __version__, _native
 from ..buffers import host_arena
-from ..config import DiskTierConfig, check_verify
-from ..layout import RootLockedError, check_file_mode, key_digest, make_namespace_dir
+from ..config import DiskTierConfig
+from ..layout import RootLockedError, key_digest, make_namespace_dir
 from ..tier import DiskTier, JobResult, LookupResult, TransferJob
+from .options import AdapterOptions, opt
 
 __all__ = ["PyKVTierHiCache", "PyKVTierHiCacheConfig"]
 
@@ -89,73 +90,25 @@ _PROBE_POLL_S = 0.001  # batch_exists on a shared root: how often it looks at it
 _PROBE_WAIT_S = 5.0  # ... and for how long at most (then the unanswered keys count as absent)
 
 
-def _opt(default: Any, doc: str, default_text: str | None = None) -> Any:
-    meta = {"doc": doc} if default_text is None else {"doc": doc, "default_text": default_text}
-    return field(default=default, metadata=meta)
-
-
-def _positive(key: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"PyKVTierHiCache: {key} must be a positive integer, got {v!r}")
-    return v
-
-
-def _roots(root_dir: Any) -> list[str]:
-    given = [root_dir] if isinstance(root_dir, (str, os.PathLike)) else root_dir
-    if not isinstance(given, (list, tuple)) or not given:
-        raise ValueError("PyKVTierHiCache: root_dir must be a path or a non-empty list of paths "
-                         f"(one per drive), got {root_dir!r}")
-    roots = []
-    for r in given:
-        p = os.fspath(r) if isinstance(r, (str, os.PathLike)) else r
-        if not isinstance(p, str) or not p or "\0" in p:
-            raise ValueError(f"PyKVTierHiCache: root_dir entry {r!r} is not a usable path")
-        roots.append(os.path.expanduser(p))
-    if len({os.path.realpath(r) for r in roots}) != len(roots):
-        raise ValueError(f"PyKVTierHiCache: root_dir lists a directory twice: {roots}")
-    return roots
-
-
 @dataclass(frozen=True)
-class PyKVTierHiCacheConfig:
+class PyKVTierHiCacheConfig(AdapterOptions):
     """The backend's options: the keys of ``--hicache-storage-backend-extra-config`` besides
     SGLang's own (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, and the
     ones SGLang pops or injects: :data:`SGLANG_KEYS`). Checked here, before any root is touched:
     ValueError naming the key. Fields hold normalized values (``root_dir``: a list of paths,
     ``direct``: None for "auto", ``mode``: an int)."""
 
-    root_dir: Any = field(default=None, metadata={
-        "doc": "a directory, or a list (one per NVMe drive); blocks are sharded across them by "
-               "digest, so keep the list and its order fixed", "default_text": "required"})
-    capacity_bytes: int | None = _opt(
-        None, "total block-file bytes of this rank, split evenly over the roots; least recently "
-              "used pages are evicted (never one being read)")
-    shared: bool = _opt(
+    _who: ClassVar[str] = "PyKVTierHiCache"
+
+    shared: bool = opt(
         False, "the roots are shared with other SGLang instances or nodes: pages the index does "
                "not know are probed (one batch of `statx` per `batch_exists`); on for MLA models "
                "with more than one rank")
-    engine: str = _opt("auto", "`uring`, `posix`, or `auto` (io_uring where the kernel allows "
-                               "it, else posix, logged)")
-    queue_depth: int = _opt(64, "block requests in flight per root")
-    max_inflight_bytes: int = _opt(256 << 20, "payload bytes in flight per root", "256 MiB")
-    direct: Any = _opt("auto", "`true`: O_DIRECT (refused at start-up where it cannot work); "
-                               "`false`: buffered; `\"auto\"`: where the file system takes it",
-                       '`"auto"`')
-    fsync: bool = _opt(False, "durable stores: each block file fdatasync'ed, each directory "
-                              "fsync'ed once per batch, before the set returns")
-    mode: Any = _opt(0o600, "permission bits of the files the backend creates (`\"640\"` or "
-                            "`416` in JSON); directories get the matching x bits", "`0o600`")
-    min_free_bytes: int | None = _opt(
-        None, "free space kept on each root's file system; `null`: 5 %", "5 % of the file system")
-    probe_ttl_s: float = _opt(1.0, "how long a probe's \"not found\" stays a miss (`shared`)")
-    verify: str = _opt("payload", "what a load checks: `payload` (header, key digest, length and "
-                                  "the payload's XXH3-64) or `header` (all but the payload "
-                                  "checksum, for file systems that checksum data)")
-    zero_copy: Any = _opt(
+    zero_copy: Any = opt(
         "auto", "`\"auto\"`: pages move by address between the files and the host pool where "
                 "its layout allows (`page_first*`, `page_head`, 4096-aligned pages, "
                 "`interface_v1`); `false`: always through the staging arena", '`"auto"`')
-    staging_pages: int = _opt(
+    staging_pages: int = opt(
         64, "pages of the staging arena (layouts or paths without zero copy); a get or set "
             "batch moves them in chunks of a quarter, two chunks in flight (the copies of one "
             "overlap the other's I/O)")
@@ -180,51 +133,12 @@ class PyKVTierHiCacheConfig:
         return cls(**ours)
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__.__get__(self)
-        set_("root_dir", _roots(self.root_dir))
-        if self.capacity_bytes is not None:
-            _positive("capacity_bytes", self.capacity_bytes)
-        for key in ("queue_depth", "max_inflight_bytes", "staging_pages"):
-            _positive(key, getattr(self, key))
+        super().__post_init__()
+        self._positive("staging_pages")
         if self.staging_pages < 2:
-            raise ValueError(f"PyKVTierHiCache: staging_pages must be at least 2, got "
-                             f"{self.staging_pages}")
-        ttl = self.probe_ttl_s
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl >= 0:
-            raise ValueError(f"PyKVTierHiCache: probe_ttl_s must be a number >= 0 (seconds), "
-                             f"got {ttl!r}")
-        set_("probe_ttl_s", float(ttl))
-        for key in ("shared", "fsync"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"PyKVTierHiCache: {key} must be true or false, got "
-                                 f"{getattr(self, key)!r}")
+            raise self._bad(f"staging_pages must be at least 2, got {self.staging_pages}")
         if self.zero_copy not in ("auto", False):
-            raise ValueError(f"PyKVTierHiCache: zero_copy must be \"auto\" or false, got "
-                             f"{self.zero_copy!r}")
-        direct = None if self.direct == "auto" else self.direct
-        if direct is not None and not isinstance(direct, bool):
-            raise ValueError(f"PyKVTierHiCache: direct must be true, false or \"auto\", got "
-                             f"{self.direct!r}")
-        set_("direct", direct)
-        try:
-            set_("mode", check_file_mode(self.mode, "mode"))
-            check_verify(self.verify)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"PyKVTierHiCache: {exc}") from None
-        v = self.min_free_bytes
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"PyKVTierHiCache: min_free_bytes must be null or an integer >= 0, "
-                             f"got {v!r}")
-
-    def disk_tier_options(self, shared: bool) -> dict[str, Any]:
-        """The DiskTier keywords of every root's tier (capacity split over the roots)."""
-        return dict(
-            capacity_bytes=None if self.capacity_bytes is None
-            else self.capacity_bytes // len(self.root_dir),
-            shared=shared, direct=self.direct, queue_depth=self.queue_depth,
-            max_inflight_bytes=self.max_inflight_bytes, probe_ttl_s=self.probe_ttl_s,
-            fsync=self.fsync, engine=self.engine, mode=self.mode,
-            min_free_bytes=self.min_free_bytes, verify=self.verify)
+            raise self._bad(f"zero_copy must be \"auto\" or false, got {self.zero_copy!r}")
 
 
 @dataclass

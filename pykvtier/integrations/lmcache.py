@@ -1,0 +1,696 @@
+"""pykvtier as an LMCache storage plug-in (LMCache 0.5.6 is the reference).
+
+LMCache loads it from its config alone, no patch to LMCache (``lmcache.yaml``)::
+
+    chunk_size: 256
+    local_cpu: true
+    max_local_cpu_size: 20
+    storage_plugins: ["pykvtier"]
+    extra_config:
+      storage_plugin.pykvtier.module_path: pykvtier.integrations.lmcache
+      storage_plugin.pykvtier.class_name: PyKVTierStoragePlugin
+      storage_plugin.pykvtier.root_dir: ["/mnt/nvme0/kv", "/mnt/nvme1/kv"]
+      storage_plugin.pykvtier.capacity_bytes: 1000000000000
+
+LMCache's ``storage_plugin_launcher`` imports this module and builds the class as
+``PyKVTierStoragePlugin(config=, dst_device=, metadata=, local_cpu_backend=, loop=)``; its
+StorageManager then calls it after its own tiers (LocalCPUBackend, LocalDiskBackend, ...). The
+options are the ``extra_config`` keys ``storage_plugin.<name>.<option>`` (<name> as listed in
+``storage_plugins``; the fields of :class:`PyKVTierLMCacheConfig`); an unknown one is an error
+naming it.
+
+How it maps onto pykvtier (docs/design.md, "LMCache"):
+
+- A chunk (LMCache's memory object of ``chunk_size`` tokens of every layer) is one block file
+  of one :class:`~pykvtier.tier.DiskTier` per root; a key's root is chosen from its block's
+  digest. The block key is ``CacheEngineKey.to_string()``. The memory objects live in
+  LocalCPUBackend's allocator arena, which is every tier's arena (registered once as io_uring
+  fixed buffers, ``spanning``: a block starts at whatever page the allocator gave the object):
+  full chunks move by address, O_DIRECT, no copy, in both directions.
+- Any other object (a partial last chunk with ``save_unfull_chunk``, another format) is
+  *packed*: copied into a block-sized staging object of the same arena with a record of its
+  true length, shapes, dtypes and format at the end of the block, stored under the block key
+  plus ``"\\0packed"``; a load reads the block and copies the object out. Never a wrong length.
+- Blocks live in a namespace directory per model, rank, dtype, KV shape, chunk size and format
+  (``ROOT/pykvtier-lmcache/<model>_<hash>``, ``config.json`` beside), so two models or ranks
+  sharing a root never see each other's chunks, and a restart finds its chunks (the index is
+  rebuilt from the files).
+- Threads: LMCache calls puts, lookups and gets on its callers' threads and its event loop's;
+  every DiskTier call is made under one lock, none waits on the disk (:mod:`.shards`).
+- Shut-down: LMCache's ``StorageManager.close`` frees LocalCPUBackend's arena *before* it closes
+  the plug-ins, so the plug-in wraps that backend's ``close``: every put and get in flight
+  finishes first, and nothing reads or writes the arena after it is freed.
+
+Importing this module imports LMCache; importing ``pykvtier`` never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import struct
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from .. import __version__
+from ..config import DiskTierConfig
+from ..layout import RootLockedError, make_namespace_dir
+from ..tier import DiskTier, LookupResult
+from .options import AdapterOptions, opt
+from .shards import Shards
+
+__all__ = ["PyKVTierLMCacheConfig", "PyKVTierStoragePlugin"]
+
+logger = logging.getLogger("pykvtier")
+
+_ALIGN = 4096
+_DEFAULT_NAME = "pykvtier"
+#: Keys of the plug-in's extra_config prefix that LMCache itself reads.
+LMCACHE_KEYS = frozenset({"module_path", "class_name"})
+#: A packed block's record, at the end of its payload: magic, JSON length (u32), then the JSON.
+_PACKED_MAGIC = b"PKVLMCP1"
+_PACKED_TAG = b"\0packed"
+_RECORD_MAX = 4096  # bytes at most of a packed record
+
+
+@dataclass(frozen=True)
+class PyKVTierLMCacheConfig(AdapterOptions):
+    """The plug-in's options: the ``extra_config`` keys ``storage_plugin.<name>.<option>``
+    besides LMCache's own ``module_path`` and ``class_name``. Checked before any root is
+    touched: ValueError naming the key."""
+
+    _who: ClassVar[str] = "PyKVTierStoragePlugin"
+
+    capacity_bytes: int | None = opt(
+        None, "total block-file bytes of this worker, split evenly over the roots; least "
+              "recently used chunks are evicted (never one being read, nor a pinned one)")
+    shared: bool = opt(
+        False, "the roots are shared with other LMCache instances or nodes: chunks the index "
+               "does not know are probed (one batch of `statx` per lookup)")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None, name: str) -> PyKVTierLMCacheConfig:
+        """The options under ``storage_plugin.<name>.`` of LMCache's ``extra_config``;
+        ValueError naming an unknown key, a missing ``root_dir``, or a bad value."""
+        prefix = f"storage_plugin.{name}."
+        ours = {k[len(prefix):]: v for k, v in (extra or {}).items()
+                if isinstance(k, str) and k.startswith(prefix) and k[len(prefix):] not in LMCACHE_KEYS}
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(ours) - set(names))
+        if unknown:
+            raise ValueError(
+                f"PyKVTierStoragePlugin: unknown option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(prefix + k for k in unknown)} in LMCache's extra_config; "
+                f"accepted: {', '.join(prefix + n for n in names)}")
+        if "root_dir" not in ours:
+            raise ValueError(f"PyKVTierStoragePlugin: '{prefix}root_dir' is required in "
+                             "LMCache's extra_config (a directory, or a list of directories, "
+                             "one per drive)")
+        return cls(**ours)
+
+
+@dataclass(frozen=True)
+class _Format:
+    """A memory object's layout: what LMCache's allocator takes to rebuild it."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    fmt: int
+    nbytes: int  # logical bytes (MemoryObj.get_size())
+
+    @classmethod
+    def of(cls, obj: Any) -> _Format:
+        m = obj.meta
+        shapes = m.shapes if m.shapes is not None else [m.shape]
+        dtypes = m.dtypes if m.dtypes is not None else [m.dtype]
+        return cls(tuple(tuple(int(x) for x in s) for s in shapes),
+                   tuple(str(d).removeprefix("torch.") for d in dtypes),
+                   int(m.fmt.value), int(obj.get_size()))
+
+    def allocate(self, backend: Any, busy_loop: bool = True) -> Any:
+        """A memory object of this format from LMCache's allocator, or None (no room)."""
+        return backend.allocate([torch.Size(s) for s in self.shapes],
+                                [getattr(torch, d) for d in self.dtypes],
+                                MemoryFormat(self.fmt), busy_loop=busy_loop)
+
+    def record(self) -> bytes:
+        body = json.dumps({"shapes": self.shapes, "dtypes": self.dtypes, "fmt": self.fmt,
+                           "nbytes": self.nbytes}, separators=(",", ":")).encode()
+        return _PACKED_MAGIC + struct.pack("<I", len(body)) + body
+
+    @classmethod
+    def from_record(cls, tail: bytes) -> _Format:
+        """The format in a packed block's last bytes; ValueError when they hold none."""
+        i = tail.rfind(_PACKED_MAGIC)
+        if i < 0:
+            raise ValueError("no packed record")
+        (n,) = struct.unpack_from("<I", tail, i + len(_PACKED_MAGIC))
+        body = tail[i + len(_PACKED_MAGIC) + 4:i + len(_PACKED_MAGIC) + 4 + n]
+        if len(body) != n or i + len(_PACKED_MAGIC) + 4 + n != len(tail):
+            raise ValueError("truncated packed record")
+        d = json.loads(body)
+        return cls(tuple(tuple(s) for s in d["shapes"]), tuple(d["dtypes"]), int(d["fmt"]),
+                   int(d["nbytes"]))
+
+
+def _key_bytes(key: Any) -> bytes:
+    """The block key of an LMCache key: ``CacheEngineKey.to_string()`` (stable across runs)."""
+    s = key.to_string() if hasattr(key, "to_string") else key
+    if not isinstance(s, str):
+        raise TypeError(f"PyKVTierStoragePlugin: keys must be LMCache CacheEngineKeys, not "
+                        f"{type(key).__name__}")
+    return s.encode()
+
+
+class PyKVTierStoragePlugin(StoragePluginInterface):
+    """LMCache storage plug-in on local NVMe (or any POSIX file system), through pykvtier.
+
+    Built by LMCache's ``storage_plugin_launcher`` as
+    ``PyKVTierStoragePlugin(config=, dst_device=, metadata=, local_cpu_backend=, loop=)``; the
+    options are ``config.extra_config["storage_plugin.<name>.<option>"]``
+    (:class:`PyKVTierLMCacheConfig`), <name> being the entry of ``config.storage_plugins``
+    whose module_path and class_name name this class.
+
+    Semantics as LMCache's ``StorageBackendInterface``: :meth:`batched_submit_put_task` is
+    asynchronous (it returns at once; each stored key's future resolves and
+    ``on_complete_callback(key)`` runs once, when its block is renamed into place);
+    :meth:`contains` / :meth:`batched_contains` answer from the index without waiting on the
+    disk (on a ``shared`` root, keys the index does not know are probed in one batch and waited
+    for); :meth:`get_blocking` / :meth:`batched_get_blocking` return memory objects allocated
+    from ``local_cpu_backend`` (the caller owns one reference) or None for a chunk that is
+    absent or failed verification (quarantined, then absent; the other chunks are unaffected);
+    :meth:`pin` keeps a chunk from eviction until :meth:`unpin`. Thread-safe. Errors: ValueError
+    at construction for bad options, a root in use, or an LMCache configuration it cannot store
+    (naming them; LMCache logs it and runs without the plug-in).
+    """
+
+    def __init__(self, config: Any = None, dst_device: str = "cpu", metadata: Any = None,
+                 local_cpu_backend: Any = None, loop: Any = None) -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        self.name = _DEFAULT_NAME
+        self._shards: Shards | None = None
+        self._closed = False
+        self._putting: dict[bytes, Any] = {}  # block key -> LMCache key, puts in flight
+        self._pins: dict[bytes, tuple[Any, bytes, int]] = {}  # block key -> (tier, digest, count)
+        self._lock_free = threading.Lock()  # close() once
+        self.counts = {"puts_zero_copy": 0, "puts_packed": 0, "puts_skipped_present": 0,
+                       "puts_failed": 0, "puts_refused_no_memory": 0, "gets_hit": 0,
+                       "gets_missed": 0, "gets_failed": 0, "gets_no_memory": 0}
+        try:
+            self._start()
+        except Exception as exc:
+            # LMCache's launcher logs a constructor's error in one line and goes on without the
+            # plug-in: say here what failed, with the fix.
+            logger.error("pykvtier: LMCache storage plug-in %r not started: %s", self.name, exc)
+            raise
+
+    # ------------------------------------------------------------------ start-up
+
+    def _find_name(self) -> str:
+        """This plug-in's name: the ``storage_plugins`` entry whose module_path/class_name in
+        extra_config name this class (LMCache does not pass it)."""
+        extra = getattr(self.config, "extra_config", None) or {}
+        mine = []
+        for name in getattr(self.config, "storage_plugins", None) or []:
+            mod = extra.get(f"storage_plugin.{name}.module_path")
+            cls = extra.get(f"storage_plugin.{name}.class_name")
+            if mod == type(self).__module__ and cls == type(self).__name__:
+                mine.append(name)
+        if len(mine) > 1:
+            raise ValueError(f"storage_plugins lists this class under several names {mine}: "
+                             "list it once (one plug-in serves several roots: root_dir takes a list)")
+        return mine[0] if mine else _DEFAULT_NAME
+
+    def _start(self) -> None:
+        if self.config is None or self.metadata is None or self.local_cpu_backend is None:
+            raise ValueError("built without LMCache's config, metadata or local_cpu_backend "
+                             "(LMCache's storage_plugin_launcher passes all three)")
+        self.name = self._find_name()
+        cfg = PyKVTierLMCacheConfig.from_extra_config(self.config.extra_config, self.name)
+        self.options = cfg
+        if getattr(self.config, "use_layerwise", False):
+            raise ValueError("use_layerwise is not supported (a chunk per layer would take a "
+                             "whole chunk's block); turn it off to use pykvtier")
+        arena, align = self._arena()
+        self._align = align
+        md = self.metadata
+        fmt = MemoryFormat.KV_MLA_FMT if md.use_mla else MemoryFormat.KV_2LTD
+        shapes = md.get_shapes(self.config.chunk_size)
+        dtypes = md.get_dtypes()
+        nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+        self.full = _Format(tuple(tuple(int(x) for x in s) for s in shapes),
+                            tuple(str(d).removeprefix("torch.") for d in dtypes), int(fmt.value),
+                            int(nbytes))
+        self.block_bytes = -(-nbytes // _ALIGN) * _ALIGN
+        #: A packed block's staging object: a full chunk's allocation (one block of the arena;
+        #: LMCache's allocator takes KV formats only).
+        self._staging_format = self.full
+        opts = cfg.disk_tier_options(cfg.shared)
+        split = (f" (capacity_bytes={cfg.capacity_bytes} split over {len(cfg.root_dir)} roots)"
+                 if cfg.capacity_bytes is not None and len(cfg.root_dir) > 1 else "")
+        try:  # every DiskTier option checked before any root is touched
+            DiskTierConfig(cfg.root_dir[0], self.block_bytes, **opts)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{exc}{split}") from exc
+        name, run = self._namespace()
+        tiers: list[DiskTier] = []
+        self.namespace_dirs: list[str] = []
+        try:
+            for root in cfg.root_dir:
+                parent = os.path.join(root, "pykvtier-lmcache")
+                ns = os.path.join(parent, name)
+                try:
+                    make_namespace_dir(parent, ns, cfg.mode, {"format": "pykvtier-lmcache",
+                                                              "pykvtier_version": __version__, **run})
+                except OSError as exc:
+                    raise ValueError(f"root {root!r}: cannot create the plug-in's directory "
+                                     f"({exc.filename}: {exc.strerror})") from exc
+                try:
+                    tier = DiskTier(ns, self.block_bytes, **opts)
+                except RootLockedError as exc:
+                    raise ValueError(
+                        f"root {root!r} is in use by pid "
+                        f"{', '.join(map(str, exc.holders)) or 'unknown'}: its directory for this "
+                        f"model and rank ({ns}) is locked. Give each LMCache instance its own "
+                        "root_dir, or set shared: true on every instance sharing it on "
+                        "purpose") from exc
+                except ValueError as exc:
+                    raise ValueError(f"root {root!r}{split}: {exc}") from exc
+                tiers.append(tier)
+                self.namespace_dirs.append(ns)
+                tier.set_arena(arena, spanning=True)  # registered once: fixed buffers
+        except BaseException:
+            for t in tiers:
+                t.shutdown()
+            raise
+        self._arena_addr, self._arena_end = int(arena.data_ptr()), int(arena.data_ptr()) + arena.numel()
+        self._shards = Shards(tiers, f"lmcache-{self.name}")
+        # LMCache's StorageManager.close() closes LocalCPUBackend, which frees the arena, before
+        # it closes the plug-ins: drain first (no put or get in flight touches freed memory).
+        backend, original = self.local_cpu_backend, self.local_cpu_backend.close
+
+        def close_after_pykvtier(*args: Any, **kwargs: Any) -> Any:
+            self.close()
+            return original(*args, **kwargs)
+
+        backend.close = close_after_pykvtier
+        logger.info("pykvtier: LMCache plug-in %r on %s: %d-byte chunks (%s), %s", self.name,
+                    ", ".join(self.namespace_dirs), self.full.nbytes, MemoryFormat(fmt).name,
+                    "O_DIRECT" if tiers[0].direct else "buffered")
+
+    def _arena(self) -> tuple[Any, int]:
+        """LocalCPUBackend's allocator arena as a uint8 tensor, and its alignment."""
+        alloc = getattr(self.local_cpu_backend, "memory_allocator", None)
+        buf = getattr(alloc, "buffer", None)
+        if buf is None:
+            buf = getattr(getattr(alloc, "pin_allocator", None), "buffer", None)
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu":
+            raise ValueError(f"LMCache's CPU allocator ({type(alloc).__name__}) exposes no host "
+                             "arena (a CPU tensor 'buffer'); pykvtier needs LocalCPUBackend's "
+                             "MixedMemoryAllocator")
+        align = int(getattr(alloc, "align_bytes", _ALIGN) or _ALIGN)
+        if align % _ALIGN or buf.data_ptr() % _ALIGN:
+            raise ValueError(f"LMCache's allocator aligns objects to {align} bytes (arena at "
+                             f"{buf.data_ptr():#x}); pykvtier needs {_ALIGN}-byte alignment "
+                             "for O_DIRECT: leave extra_config local_cpu.pinned_align_bytes at "
+                             "its default (4096) or a multiple of it")
+        return buf.view(-1).view(torch.uint8), align
+
+    def _namespace(self) -> tuple[str, dict[str, Any]]:
+        md = self.metadata
+        run = {
+            "model_name": md.model_name, "world_size": int(md.world_size),
+            "worker_id": int(md.worker_id), "kv_dtype": str(md.kv_dtype),
+            "kv_shape": [int(x) for x in md.kv_shape], "chunk_size": int(self.config.chunk_size),
+            "use_mla": bool(md.use_mla), "chunk_shapes": [list(s) for s in self.full.shapes],
+            "chunk_dtypes": list(self.full.dtypes), "chunk_fmt": self.full.fmt,
+            "block_bytes": self.block_bytes,
+        }
+        h = hashlib.blake2b(json.dumps(run, sort_keys=True).encode(), digest_size=8).hexdigest()
+        model = re.sub(r"[^A-Za-z0-9._-]+", "-", str(md.model_name or "model")).strip("-")[:80]
+        return f"{model or 'model'}_{h}", run
+
+    # ------------------------------------------------------------------ lookups
+
+    def _where(self, kb: bytes) -> tuple[LookupResult, bool]:
+        """(answer, packed) of block key ``kb``: the full block's answer, else the packed
+        one's where that is a HIT (call holding the lock)."""
+        sh = self._shards
+        a = sh.lookup([kb])[0]
+        if a is LookupResult.HIT or a is LookupResult.HIT_PENDING:
+            return a, False
+        p = sh.lookup([kb + _PACKED_TAG])[0]
+        if p is LookupResult.HIT or p is LookupResult.HIT_PENDING:
+            return p, True
+        return (LookupResult.RETRY if LookupResult.RETRY in (a, p) else a), False
+
+    def _answers(self, kbs: list[bytes]) -> list[tuple[LookupResult, bool]]:
+        """_where of every key, probes of a shared root settled (call holding the lock)."""
+        got = [self._where(kb) for kb in kbs]
+        if self.options.shared and any(a is LookupResult.RETRY for a, _ in got):
+            both = [k for kb in kbs for k in (kb, kb + _PACKED_TAG)]
+            self._shards.settle(both, self._shards.lookup(both))
+            got = [self._where(kb) for kb in kbs]
+        return got
+
+    def contains(self, key: Any, pin: bool = False) -> bool:
+        """Whether ``key``'s chunk is stored here (a put in flight is not: see
+        :meth:`exists_in_put_tasks`); with ``pin`` it is also pinned. As LMCache's
+        ``StorageBackendInterface.contains``. Any thread; never waits on the disk for a key
+        the index knows."""
+        return self.batched_contains([key], pin) == 1
+
+    def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
+        """The number of leading ``keys`` stored here (a prefix count), as LMCache's
+        ``StorageBackendInterface.batched_contains``; with ``pin`` those are pinned."""
+        kbs = [_key_bytes(k) for k in keys]
+        if self._shards is None or self._closed or not kbs:
+            return 0
+        with self._shards.cv:
+            if self._closed:
+                return 0
+            n = 0
+            for kb, (a, packed) in zip(kbs, self._answers(kbs)):
+                if a is not LookupResult.HIT or (pin and not self._pin_locked(kb, packed)):
+                    break
+                n += 1
+        return n
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[Any], pin: bool = False) -> int:
+        """:meth:`batched_contains` for LMCache's asynchronous loading (``enable_async_loading``),
+        awaited on its event loop: it answers from the index (a shared root's probes are waited
+        for on a worker thread, not on the loop)."""
+        if self.options.shared:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self.batched_contains, keys, pin)
+        return self.batched_contains(keys, pin)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any],
+                                       transfer_spec: Any = None) -> list[Any]:
+        """The loaded prefix of ``keys``' chunks (memory objects, the caller owns one reference
+        each), for LMCache's asynchronous loading; the disk is waited for on a worker thread,
+        never on LMCache's event loop. Objects after the first missing chunk are released."""
+        objs = await asyncio.get_running_loop().run_in_executor(None, self.batched_get_blocking, keys)
+        n = next((i for i, o in enumerate(objs) if o is None), len(objs))
+        for o in objs[n:]:
+            if o is not None:
+                o.ref_count_down()
+        return objs[:n]
+
+    def exists_in_put_tasks(self, key: Any) -> bool:
+        """Whether a put of ``key`` is in flight here."""
+        return _key_bytes(key) in self._putting
+
+    # ------------------------------------------------------------------ pins, removal
+
+    def _pin_locked(self, kb: bytes, packed: bool) -> bool:
+        held = self._pins.get(kb)
+        if held is not None:
+            tier, d, n = held
+            if tier.pin([d])[0]:
+                self._pins[kb] = (tier, d, n + 1)
+                return True
+            return False
+        tier, d = self._shards.tier_of(kb + _PACKED_TAG if packed else kb)
+        if tier.pin([d])[0]:
+            self._pins[kb] = (tier, d, 1)
+            return True
+        return False
+
+    def pin(self, key: Any) -> bool:
+        """Keeps ``key``'s chunk from eviction and removal until as many :meth:`unpin` calls;
+        False when it is not stored here. As LMCache's ``StorageBackendInterface.pin``."""
+        kb = _key_bytes(key)
+        if self._shards is None or self._closed:
+            return False
+        with self._shards.cv:
+            a, packed = self._where(kb)
+            return a is LookupResult.HIT and self._pin_locked(kb, packed)
+
+    def unpin(self, key: Any) -> bool:
+        """Releases one :meth:`pin` of ``key``; False when this plug-in holds no pin of it
+        (LMCache unpins a lookup's keys on every tier)."""
+        kb = _key_bytes(key)
+        if self._shards is None:
+            return False
+        with self._shards.cv:
+            held = self._pins.pop(kb, None)
+            if held is None:
+                return False
+            tier, d, n = held
+            tier.unpin([d])
+            if n > 1:
+                self._pins[kb] = (tier, d, n - 1)
+        return True
+
+    def remove(self, key: Any, force: bool = True) -> bool:
+        """Removes ``key``'s chunk (its file unlinked asynchronously); False when it is not
+        stored here, is being read, or is pinned (``force`` does not override a pin: a pinned
+        chunk is one a lookup promised). As LMCache's ``StorageBackendInterface.remove``."""
+        kb = _key_bytes(key)
+        if self._shards is None or self._closed:
+            return False
+        with self._shards.cv:
+            if kb in self._pins:
+                return False
+            a, packed = self._where(kb)
+            if a is not LookupResult.HIT:
+                return False
+            tier, d = self._shards.tier_of(kb + _PACKED_TAG if packed else kb)
+            return tier.remove([d])[0]
+
+    # ------------------------------------------------------------------ puts
+
+    def _slot(self, obj: Any) -> int | None:
+        """The arena slot (page) of a memory object that can move without a copy, else None."""
+        addr = int(obj.data_ptr)
+        if (addr % _ALIGN or addr < self._arena_addr
+                or addr + self.block_bytes > self._arena_end
+                or int(obj.get_physical_size()) < self.block_bytes):
+            return None
+        return (addr - self._arena_addr) // _ALIGN
+
+    def batched_submit_put_task(self, keys: list[Any], objs: list[Any], transfer_spec: Any = None,
+                                on_complete_callback: Any = None) -> list[Future] | None:
+        """Stores the chunks of ``keys`` from memory objects ``objs``, asynchronously: returns
+        at once one Future per key submitted (True once its block is in place, False if it
+        failed; keys already stored or in flight are skipped, as LocalDiskBackend skips them),
+        or None when none was. ``on_complete_callback(key)`` runs once per key stored, on a
+        pykvtier thread (its exceptions are logged). Each object is referenced
+        (``ref_count_up``) until its write finished. Full chunks are written from their own
+        memory (no copy); others are packed (copied into a staging object with their record).
+        As LMCache's ``StorageBackendInterface.batched_submit_put_task``."""
+        if len(keys) != len(objs):
+            raise ValueError(f"PyKVTierStoragePlugin: {len(keys)} keys but {len(objs)} memory objects")
+        kbs = [_key_bytes(k) for k in keys]
+        sh = self._shards
+        if sh is None or self._closed:
+            return None
+        todo: list[tuple[Any, bytes, Any]] = []
+        with sh.cv:
+            if self._closed:
+                return None
+            for key, kb, obj in zip(keys, kbs, objs):
+                if kb in self._putting:
+                    continue
+                a, _ = self._where(kb)
+                if a is LookupResult.HIT or a is LookupResult.HIT_PENDING:
+                    self.counts["puts_skipped_present"] += 1
+                    continue
+                self._putting[kb] = key
+                todo.append((key, kb, obj))
+        if not todo:
+            return None
+        bkeys, slots, held, futures = [], [], [], {}
+        for key, kb, obj in todo:
+            slot = self._slot(obj) if _Format.of(obj) == self.full else None
+            if slot is not None:
+                obj.ref_count_up()
+                bkeys.append(kb)
+                held.append(obj)
+                self.counts["puts_zero_copy"] += 1
+            else:
+                staged = self._pack(obj)
+                if staged is None:
+                    with sh.cv:
+                        del self._putting[kb]
+                    continue
+                slot = self._slot(staged)
+                bkeys.append(kb + _PACKED_TAG)
+                held.append(staged)
+                self.counts["puts_packed"] += 1
+            slots.append(slot)
+            futures[bkeys[-1]] = (key, kb, Future())
+        if not bkeys:
+            return None
+
+        def finished(ok: dict[bytes, bool]) -> None:
+            with sh.cv:
+                for bk, (_, kb, _) in futures.items():
+                    self._putting.pop(kb, None)
+                    if not ok[bk]:
+                        self.counts["puts_failed"] += 1
+            for obj in held:
+                obj.ref_count_down()
+            for bk, (key, _, fut) in futures.items():
+                fut.set_result(ok[bk])
+                if ok[bk] and on_complete_callback is not None:
+                    try:
+                        on_complete_callback(key)
+                    except Exception:
+                        logger.exception("pykvtier: LMCache put callback for %s failed", key)
+
+        sh.submit(bkeys, slots, False, finished)
+        return [f for _, _, f in futures.values()]
+
+    def _pack(self, obj: Any) -> Any:
+        """A staging object (one block, in the arena) holding ``obj``'s bytes and, at its end,
+        the record of its format; None (logged, counted) when it cannot be made."""
+        fmt = _Format.of(obj)
+        rec = fmt.record()
+        if fmt.nbytes + len(rec) > self.block_bytes or len(rec) > _RECORD_MAX:
+            self.counts["puts_failed"] += 1
+            logger.warning("pykvtier: LMCache object of %d bytes (%s) does not fit a %d-byte "
+                           "block with its record; not stored", fmt.nbytes, fmt.shapes,
+                           self.block_bytes)
+            return None
+        staged = self._staging_format.allocate(self.local_cpu_backend, busy_loop=False)
+        if staged is None:
+            self.counts["puts_refused_no_memory"] += 1
+            logger.warning("pykvtier: no LMCache CPU memory for a packed chunk's staging object; "
+                           "not stored")
+            return None
+        if self._slot(staged) is None:  # (an allocator outside the arena: not this one)
+            staged.ref_count_down()
+            self.counts["puts_failed"] += 1
+            return None
+        base = int(staged.data_ptr)
+        ctypes.memmove(base, int(obj.data_ptr), fmt.nbytes)
+        ctypes.memset(base + fmt.nbytes, 0, self.block_bytes - fmt.nbytes - len(rec))
+        ctypes.memmove(base + self.block_bytes - len(rec), rec, len(rec))
+        return staged
+
+    # ------------------------------------------------------------------ gets
+
+    def get_blocking(self, key: Any) -> Any:
+        """``key``'s chunk as a memory object from ``local_cpu_backend`` (the caller owns one
+        reference), or None (absent, failed verification, or no CPU memory). As LMCache's
+        ``StorageBackendInterface.get_blocking``. Waits for the disk, not holding the lock."""
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: list[Any]) -> list[Any]:
+        """The chunks of ``keys``, as :meth:`get_blocking` each, read in one batch (one job per
+        root): a list of memory objects or None, in key order."""
+        kbs = [_key_bytes(k) for k in keys]
+        out: list[Any] = [None] * len(kbs)
+        sh = self._shards
+        if sh is None or self._closed or not kbs:
+            return out
+        with sh.cv:
+            if self._closed:
+                return out
+            where = self._answers(kbs)
+        bkeys, slots, objs, idx, packed = [], [], [], [], []
+        for i, (kb, (a, is_packed)) in enumerate(zip(kbs, where)):
+            if a is not LookupResult.HIT:
+                self.counts["gets_missed"] += 1
+                continue
+            fmt = self._staging_format if is_packed else self.full
+            obj = fmt.allocate(self.local_cpu_backend)
+            if obj is None or self._slot(obj) is None:
+                if obj is not None:
+                    obj.ref_count_down()
+                self.counts["gets_no_memory"] += 1
+                continue
+            bkeys.append(kb + _PACKED_TAG if is_packed else kb)
+            slots.append(self._slot(obj))
+            objs.append(obj)
+            idx.append(i)
+            packed.append(is_packed)
+        if not bkeys:
+            return out
+        ok = sh.wait(sh.submit(bkeys, slots, True))
+        for bk, obj, i, is_packed in zip(bkeys, objs, idx, packed):
+            if not ok[bk]:
+                obj.ref_count_down()
+                self.counts["gets_failed"] += 1
+                continue
+            if is_packed:
+                obj = self._unpack(obj)
+                if obj is None:
+                    self.counts["gets_failed"] += 1
+                    continue
+            out[i] = obj
+            self.counts["gets_hit"] += 1
+        return out
+
+    def _unpack(self, staged: Any) -> Any:
+        """The object a packed block holds (staged: the block, loaded), staged released."""
+        base = int(staged.data_ptr)
+        try:
+            tail = ctypes.string_at(base + self.block_bytes - _RECORD_MAX, _RECORD_MAX)
+            fmt = _Format.from_record(tail)
+            obj = fmt.allocate(self.local_cpu_backend)
+            if obj is None:
+                self.counts["gets_no_memory"] += 1
+                return None
+            if int(obj.get_size()) != fmt.nbytes:
+                obj.ref_count_down()
+                raise ValueError(f"record says {fmt.nbytes} bytes, the allocator made "
+                                 f"{obj.get_size()}")
+            ctypes.memmove(int(obj.data_ptr), base, fmt.nbytes)
+            return obj
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.warning("pykvtier: a packed LMCache chunk's record is unreadable (%s); "
+                           "treated as missing", exc)
+            return None
+        finally:
+            staged.ref_count_down()
+
+    # ------------------------------------------------------------------ the rest
+
+    def get_allocator_backend(self) -> Any:
+        """``local_cpu_backend``: LMCache hands puts the objects it allocated (no copy)."""
+        return self.local_cpu_backend
+
+    def stats(self) -> dict[str, int]:
+        """The plug-in's counts (``puts_zero_copy``, ``puts_packed``, ``gets_hit``, ...) and
+        its tiers' DiskTier counters, summed over the roots."""
+        out = dict(self.counts)
+        if self._shards is not None:
+            with self._shards.cv:
+                for t in self._shards.tiers:
+                    if not t._closed:
+                        for k, v in t.stats().items():
+                            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        """Waits for every put and get in flight (their callbacks run), then shuts the tiers
+        down. Idempotent; called by LMCache's StorageManager.close (through LocalCPUBackend's
+        close, before the arena is freed, and again as a plug-in)."""
+        with self._lock_free:
+            if self._closed or self._shards is None:
+                self._closed = True
+                return
+            self._closed = True
+        sh = self._shards
+        with sh.cv:
+            for tier, d, n in self._pins.values():
+                tier.unpin([d] * n)
+            self._pins.clear()
+        sh.close()
