@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up pykvtier on Debian/Ubuntu: system packages (liburing, xxHash, libb2, compilers, fio),
 # then a virtual environment at .venv with pykvtier built and installed with its test extras, and
-# vLLM (CPU, --no-deps, requirements-vllm.txt) for the vLLM plug-in's tests.
+# vLLM, SGLang and LMCache (CPU, --no-deps, requirements-*.txt) for the integrations' tests.
 # Idempotent; runs as root or through sudo. Usage: bash scripts/setup.sh [--editable]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +40,10 @@ fi
 # SGLang and what its mem_cache modules and cache controllers import, without its dependency
 # tree (pins agree with vLLM's: one venv). Pins and the torchvision note: requirements-sglang.txt.
 .venv/bin/python -m pip install -q --no-deps -r requirements-sglang.txt
+# LMCache, for the storage plug-in's tests (tests/test_lmcache*.py) and bench/vs_lmcache_disk.py:
+# LMCache 0.5.6 and what its storage_backend / cache_engine / distributed modules import, without
+# its dependency tree (CUDA packages; pins agree with vLLM's and SGLang's: one venv).
+.venv/bin/python -m pip install -q --no-deps -r requirements-lmcache.txt
 # Check the installed package (from / so that the source tree does not shadow it).
 venv_python="$PWD/.venv/bin/python"
 (cd / && "$venv_python" -c "import pykvtier, pykvtier._native, pykvtier._uring; print('setup: pykvtier', pykvtier.__version__, 'ready in .venv')")
@@ -56,3 +60,9 @@ if ! sglang_check=$(cd / && "$venv_python" -c "import sys; sys.path.insert(0, '$
   exit 1
 fi
 echo "$sglang_check" | tail -n 1
+# LMCache logs on import (no CUDA here): shown only if the import fails.
+if ! lmcache_check=$(cd / && "$venv_python" -c "import lmcache.v1.storage_backend.abstract_backend, lmcache.v1.cache_engine, pykvtier.integrations.lmcache; from importlib.metadata import version; print('setup: LMCache', version('lmcache'), 'ready for pykvtier.integrations.lmcache')" 2>&1); then
+  echo "$lmcache_check" >&2
+  exit 1
+fi
+echo "$lmcache_check" | tail -n 1

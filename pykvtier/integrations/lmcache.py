@@ -83,6 +83,8 @@ LMCACHE_KEYS = frozenset({"module_path", "class_name"})
 _PACKED_MAGIC = b"PKVLMCP1"
 _PACKED_TAG = b"\0packed"
 _RECORD_MAX = 4096  # bytes at most of a packed record
+#: Answers of a stored, loadable block: HIT_PENDING is a HIT whose block is being read (or pinned).
+_STORED = (LookupResult.HIT, LookupResult.HIT_PENDING)
 
 
 @dataclass(frozen=True)
@@ -350,10 +352,10 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         one's where that is a HIT (call holding the lock)."""
         sh = self._shards
         a = sh.lookup([kb])[0]
-        if a is LookupResult.HIT or a is LookupResult.HIT_PENDING:
+        if a in _STORED:
             return a, False
         p = sh.lookup([kb + _PACKED_TAG])[0]
-        if p is LookupResult.HIT or p is LookupResult.HIT_PENDING:
+        if p in _STORED:
             return p, True
         return (LookupResult.RETRY if LookupResult.RETRY in (a, p) else a), False
 
@@ -384,7 +386,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                 return 0
             n = 0
             for kb, (a, packed) in zip(kbs, self._answers(kbs)):
-                if a is not LookupResult.HIT or (pin and not self._pin_locked(kb, packed)):
+                if a not in _STORED or (pin and not self._pin_locked(kb, packed)):
                     break
                 n += 1
         return n
@@ -438,7 +440,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             return False
         with self._shards.cv:
             a, packed = self._where(kb)
-            return a is LookupResult.HIT and self._pin_locked(kb, packed)
+            return a in _STORED and self._pin_locked(kb, packed)
 
     def unpin(self, key: Any) -> bool:
         """Releases one :meth:`pin` of ``key``; False when this plug-in holds no pin of it
@@ -467,7 +469,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             if kb in self._pins:
                 return False
             a, packed = self._where(kb)
-            if a is not LookupResult.HIT:
+            if a not in _STORED:
                 return False
             tier, d = self._shards.tier_of(kb + _PACKED_TAG if packed else kb)
             return tier.remove([d])[0]
@@ -507,7 +509,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                 if kb in self._putting:
                     continue
                 a, _ = self._where(kb)
-                if a is LookupResult.HIT or a is LookupResult.HIT_PENDING:
+                if a in _STORED:
                     self.counts["puts_skipped_present"] += 1
                     continue
                 self._putting[kb] = key
@@ -605,7 +607,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             where = self._answers(kbs)
         bkeys, slots, objs, idx, packed = [], [], [], [], []
         for i, (kb, (a, is_packed)) in enumerate(zip(kbs, where)):
-            if a is not LookupResult.HIT:
+            if a not in _STORED:
                 self.counts["gets_missed"] += 1
                 continue
             fmt = self._staging_format if is_packed else self.full
