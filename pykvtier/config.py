@@ -207,6 +207,12 @@ def _table_classes() -> dict[str, type]:
         pass
     else:
         out["PyKVTierHiCacheConfig"] = PyKVTierHiCacheConfig
+    try:
+        from .integrations.lmcache import PyKVTierLMCacheConfig
+    except ImportError:  # LMCache not installed: its table stays
+        pass
+    else:
+        out["PyKVTierLMCacheConfig"] = PyKVTierLMCacheConfig
     return out
 
 

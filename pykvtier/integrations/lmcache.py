@@ -101,6 +101,8 @@ class PyKVTierLMCacheConfig(AdapterOptions):
     shared: bool = opt(
         False, "the roots are shared with other LMCache instances or nodes: chunks the index "
                "does not know are probed (one batch of `statx` per lookup)")
+    fsync: bool = opt(False, "durable puts: each block file fdatasync'ed, each directory "
+                             "fsync'ed once per batch, before the put is reported complete")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None, name: str) -> PyKVTierLMCacheConfig:
