@@ -658,3 +658,32 @@ def test_vs_sglang_file_runs_every_tier_and_checks_every_page(tmp_path):
     assert sum(1 for line in lines if line.startswith("  page_first pykvtier-v1 (backend calls): GB/s ")) == 1
     assert sum(1 for line in lines if " <= 0.5x " in line) == 8  # 2 layouts x 2 tiers x 2 views
     assert sum(1 for line in lines if "every page byte-exact" in line) == 6
+
+
+def test_vs_lmcache_disk_runs_every_tier_and_checks_every_chunk(tmp_path):
+    """bench/vs_lmcache_disk.py at a tiny size (8 KiB chunks, 32 of them, batches of 3: one short
+    batch): pykvtier's plug-in and both LocalDiskBackend modes store and retrieve inside LMCache's
+    engine, every chunk checked (the script exits non-zero on a wrong byte), each tier's directory
+    gone after it. Timings and verdicts are not checked."""
+    pytest.importorskip("lmcache", reason="LMCache is not installed (requirements-lmcache.txt)")
+    if _on_tmpfs(tmp_path):
+        pytest.skip("vs_lmcache_disk refuses a tmpfs directory (no O_DIRECT)")
+    import sys
+
+    d, out_json = tmp_path / "d", tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-P", os.path.join(BENCH_DIR, "vs_lmcache_disk.py"),
+                           "--dir", str(d), "--total", "256K", "--batch", "3", "--min-batches", "2",
+                           "--chunk-tokens", "16", "--layers", "2", "--kv-heads", "2",
+                           "--head-dim", "32", "--no-drop-caches", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out_json.read_text())
+    rows = {(r["phase"], r["tier"]): r for r in data["results"]}
+    assert set(rows) == {(ph, t) for ph in ("store", "retrieve")
+                         for t in ("pykvtier", "disk-buffered", "disk-odirect")}
+    assert (data["chunk_bytes"], data["chunks"], data["batch_chunks"]) == (8192, 32, 3)
+    for (phase, tier), r in rows.items():
+        assert r["bytes"] == (32 if phase == "store" else 32 * data["retrieve_passes"]) * 8192, (phase, tier)
+    assert rows[("store", "pykvtier")]["io"] == "engine uring, O_DIRECT True" or \
+        "posix" in rows[("store", "pykvtier")]["io"]
+    assert not d.exists() or not any(d.iterdir())
