@@ -76,7 +76,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
 from pykvtier.bench.sysutil import (  # noqa: E402
-    GiB, ColdCache, default_bench_dir, fmt_size, meminfo, mount_of, plural, rusage_cpu)
+    GiB, ColdCache, add_side_by_side_args, disk_bench_dir, fmt_size, meminfo, plural, rusage_cpu)
 from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
@@ -202,7 +202,7 @@ def build_engine(name: str, geo: Geometry, tier_dir: str, eid: str, args):
                  "storage_plugin.pykvtier.class_name": "PyKVTierStoragePlugin",
                  "storage_plugin.pykvtier.root_dir": tier_dir,
                  "storage_plugin.pykvtier.capacity_bytes": args.capacity_bytes}
-        for opt in ("queue_depth", "engine"):
+        for opt in ("queue_depth", "engine", "verify"):
             if getattr(args, opt) is not None:
                 extra[f"storage_plugin.pykvtier.{opt}"] = getattr(args, opt)
         config = LMCacheEngineConfig.from_defaults(**common, storage_plugins=["pykvtier"],
@@ -254,7 +254,8 @@ def arena_of(eng):
 def tier_info(name: str, backend, geo: Geometry) -> dict:
     if name == "pykvtier":
         tiers = backend._shards.tiers
-        return {"io": f"engine {tiers[0].engine_name}, O_DIRECT {all(t.direct for t in tiers)}",
+        return {"io": f"engine {tiers[0].engine_name}, O_DIRECT {all(t.direct for t in tiers)}, "
+                      f"verify {tiers[0].verify}",
                 "dirs": list(backend.namespace_dirs)}
     bs = backend.os_disk_bs
     if not backend.use_odirect:
@@ -631,18 +632,12 @@ def main(argv=None) -> None:
                    help="pykvtier's queue_depth (default: the plug-in's)")
     p.add_argument("--engine", default=None, choices=("auto", "uring", "posix"),
                    help="pykvtier's engine (default: the plug-in's, auto)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="repeat everything this many times, the tiers taking turns going "
-                        "first; medians reported (1)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--no-drop-caches", action="store_true")
-    p.add_argument("--no-freeze-gc", action="store_true",
-                   help="leave the GC heap unfrozen after start-up")
-    p.add_argument("--keep", action="store_true", help="keep each tier's directory")
-    p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--verify", default=None, choices=("payload", "header"),
+                   help="pykvtier's verify (default: the plug-in's, payload: header and payload "
+                        "checksum; header: header, key digest and length only)")
+    add_side_by_side_args(p)
     args = p.parse_args(argv)
 
-    args.dir = args.dir or default_bench_dir("pykvtier-vs-lmcache-disk")
     args.total = parse_size(args.total)
     args.tiers = [x for x in args.tiers.split(",") if x]
     for x in args.tiers:
@@ -663,11 +658,7 @@ def main(argv=None) -> None:
     set_bytes = args.chunks * cb
     # room for the whole set with headroom (no eviction in the bench), for both tiers
     args.capacity_bytes = int(set_bytes * 1.25) + (256 << 20)
-    probe = args.dir if os.path.exists(args.dir) else os.path.dirname(os.path.abspath(args.dir))
-    mnt = mount_of(probe)
-    if mnt[1] in ("tmpfs", "ramfs"):
-        raise SystemExit(f"{args.dir} is on {mnt[1]}: no O_DIRECT, never cold; use a disk")
-    os.makedirs(args.dir, exist_ok=True)
+    args.dir, mnt = disk_bench_dir(args.dir, "pykvtier-vs-lmcache-disk")
 
     logs = LogCollector()
     logging.getLogger().addHandler(logs)

@@ -77,7 +77,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
 from pykvtier.bench.sysutil import (  # noqa: E402
-    GiB, ColdCache, default_bench_dir, fmt_size, mount_of, plural, rusage_cpu)
+    GiB, ColdCache, add_side_by_side_args, disk_bench_dir, fmt_size, plural, rusage_cpu)
 from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
@@ -569,17 +569,9 @@ def main(argv=None) -> None:
                    help="pykvtier's engine")
     p.add_argument("--staging-pages", type=int, default=None,
                    help="pykvtier staging_pages (default: the backend's, 64)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="repeat everything this many times; medians reported")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--no-drop-caches", action="store_true")
-    p.add_argument("--no-freeze-gc", action="store_true",
-                   help="leave the GC heap unfrozen after start-up")
-    p.add_argument("--keep", action="store_true", help="keep each tier's directory")
-    p.add_argument("--json", default=None, help="write the results here too")
+    add_side_by_side_args(p)
     args = p.parse_args(argv)
 
-    args.dir = args.dir or default_bench_dir("pykvtier-vs-sglang-file")
     args.set_bytes = parse_size(args.set_bytes)
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.tiers = [x for x in args.tiers.split(",") if x]
@@ -601,11 +593,7 @@ def main(argv=None) -> None:
     args.pages = args.set_bytes // geo.page_bytes
     if args.pages < 1:
         p.error(f"--set-bytes {fmt_size(args.set_bytes)} holds no {fmt_size(geo.page_bytes)} page")
-    probe = args.dir if os.path.exists(args.dir) else os.path.dirname(os.path.abspath(args.dir))
-    mnt = mount_of(probe)
-    if mnt[1] in ("tmpfs", "ramfs"):
-        raise SystemExit(f"{args.dir} is on {mnt[1]}: no O_DIRECT, never cold; use a disk")
-    os.makedirs(args.dir, exist_ok=True)
+    args.dir, mnt = disk_bench_dir(args.dir, "pykvtier-vs-sglang-file")
 
     sglang_version = import_sglang()
     import torch  # noqa: F401

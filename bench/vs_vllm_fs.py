@@ -71,7 +71,7 @@ try:  # the installed pykvtier; else the source tree above (an editable or in-pl
 except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
-from pykvtier.bench.sysutil import ColdCache, default_bench_dir, mount_of, rusage_cpu  # noqa: E402
+from pykvtier.bench.sysutil import ColdCache, disk_bench_dir, rusage_cpu  # noqa: E402
 from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
@@ -602,15 +602,11 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here too")
     args = p.parse_args()
     args.verify_header_reason = None if args.verify_header else "not run (--no-verify-header)"
-    args.dir = args.dir or default_bench_dir("pykvtier-vs-vllm-fs")
+    args.dir, mnt = disk_bench_dir(args.dir, "pykvtier-vs-vllm-fs")
     args.set_bytes = parse_size(args.set_bytes)
     args.step_bytes = parse_size(args.step_bytes)
     args.job_blocks = [int(x) for x in args.job_blocks.split(",")]
     blocks = [parse_size(x) for x in args.block_sizes.split(",")]
-    mnt = mount_of(args.dir if os.path.exists(args.dir) else os.path.dirname(args.dir))
-    if mnt[1] in ("tmpfs", "ramfs"):
-        raise SystemExit(f"{args.dir} is on {mnt[1]}: no O_DIRECT, never cold; use a disk")
-    os.makedirs(args.dir, exist_ok=True)
 
     import logging
     logging.getLogger("vllm").setLevel(logging.WARNING)

@@ -684,6 +684,18 @@ def test_vs_lmcache_disk_runs_every_tier_and_checks_every_chunk(tmp_path):
     assert (data["chunk_bytes"], data["chunks"], data["batch_chunks"]) == (8192, 32, 3)
     for (phase, tier), r in rows.items():
         assert r["bytes"] == (32 if phase == "store" else 32 * data["retrieve_passes"]) * 8192, (phase, tier)
-    assert rows[("store", "pykvtier")]["io"] == "engine uring, O_DIRECT True" or \
-        "posix" in rows[("store", "pykvtier")]["io"]
+    assert rows[("store", "pykvtier")]["io"] in ("engine uring, O_DIRECT True, verify payload",
+                                                  "engine posix, O_DIRECT True, verify payload")
     assert not d.exists() or not any(d.iterdir())
+    # --verify reaches the plug-in's tiers (pykvtier alone, retrieves still checked byte for byte)
+    proc = subprocess.run([sys.executable, "-P", os.path.join(BENCH_DIR, "vs_lmcache_disk.py"),
+                           "--dir", str(d), "--total", "64K", "--batch", "4", "--min-batches", "1",
+                           "--chunk-tokens", "16", "--layers", "2", "--kv-heads", "2",
+                           "--head-dim", "32", "--no-drop-caches", "--tiers", "pykvtier",
+                           "--verify", "header", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {(r["phase"], r["tier"]): r for r in json.loads(out_json.read_text())["results"]}
+    assert set(rows) == {("store", "pykvtier"), ("retrieve", "pykvtier")}
+    assert rows[("retrieve", "pykvtier")]["io"].endswith(", verify header")
+    assert rows[("retrieve", "pykvtier")]["verified_chunks"] == 8

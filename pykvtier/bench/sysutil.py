@@ -85,6 +85,32 @@ def default_bench_dir(name: str) -> str:
                      "directory on a disk")
 
 
+def disk_bench_dir(path: str | None, name: str) -> tuple[str, tuple[str, str, str]]:
+    """The bench directory (``path``, or :func:`default_bench_dir` ``name``), created; with the
+    mount holding it. SystemExit where it is on a tmpfs or ramfs (no O_DIRECT, never cold)."""
+    path = path or default_bench_dir(name)
+    mnt = mount_of(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path)))
+    if mnt[1] in ("tmpfs", "ramfs"):
+        raise SystemExit(f"{path} is on {mnt[1]}: no O_DIRECT, never cold; use a disk")
+    os.makedirs(path, exist_ok=True)
+    return path, mnt
+
+
+def add_side_by_side_args(p, keep_help: str = "keep each tier's directory") -> None:
+    """The options every side-by-side bench against an engine's own tier takes: ``--rounds``,
+    ``--seed``, ``--no-drop-caches``, ``--no-freeze-gc``, ``--keep``, ``--json`` (``p``: an
+    argparse parser)."""
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat everything this many times, the tiers taking turns going "
+                        "first; medians reported (1)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-drop-caches", action="store_true")
+    p.add_argument("--no-freeze-gc", action="store_true",
+                   help="leave the GC heap unfrozen after start-up")
+    p.add_argument("--keep", action="store_true", help=keep_help)
+    p.add_argument("--json", default=None, help="write the results here too")
+
+
 def read_first_line(path: str) -> str | None:
     try:
         with open(path) as f:
