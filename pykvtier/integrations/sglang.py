@@ -46,7 +46,6 @@ Importing this module imports SGLang; importing ``pykvtier`` never does.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -69,9 +68,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 from .. import __version__, _native
 from ..buffers import host_arena
 from ..config import DiskTierConfig
-from ..layout import RootLockedError, key_digest, make_namespace_dir
-from ..tier import DiskTier, JobResult, LookupResult, TransferJob
+from ..layout import RootLockedError, make_namespace_dir
+from ..tier import DiskTier, LookupResult
 from .options import AdapterOptions, opt
+from .shards import Shards
 
 __all__ = ["PyKVTierHiCache", "PyKVTierHiCacheConfig"]
 
@@ -85,9 +85,6 @@ SGLANG_KEYS = frozenset({
 #: Layouts whose pages are at most two contiguous regions (K, V) of the pool.
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 _ALIGN = 4096
-_COLLECT_WAIT_S = 0.05  # a collector's engine wait, before it looks at the lock again
-_PROBE_POLL_S = 0.001  # batch_exists on a shared root: how often it looks at its probes
-_PROBE_WAIT_S = 5.0  # ... and for how long at most (then the unanswered keys count as absent)
 
 
 @dataclass(frozen=True)
@@ -152,17 +149,6 @@ class _Geometry:
     base: int = 0  # zero copy: the pool's address (the arena)
 
 
-class _Waiter:
-    """The engine jobs of one call, and their results as the collectors hand them out."""
-
-    __slots__ = ("left", "results", "is_load")
-
-    def __init__(self, n: int, is_load: bool = True) -> None:
-        self.left = n
-        self.results: list[JobResult] = []
-        self.is_load = is_load
-
-
 class PyKVTierHiCache(HiCacheStorage):
     """SGLang HiCache storage backend on local NVMe (or any POSIX file system), through pykvtier.
 
@@ -199,26 +185,32 @@ class PyKVTierHiCache(HiCacheStorage):
             DiskTierConfig(cfg.root_dir[0], _ALIGN, **cfg.disk_tier_options(cfg.shared))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"PyKVTierHiCache{split}: {exc}") from exc
-        self._cv = threading.Condition(threading.Lock())
-        self._tiers: list[DiskTier] = []
+        self._cv = threading.Condition(threading.Lock())  # also the Shards' lock
+        self._shards: Shards | None = None  # the roots' tiers, once a pool is registered
+        self._closed = False
         self.namespace_dirs: list[str] = []
         self._geometry: _Geometry | None = None
         self._pool: Any = None
         self._staging: Any = None  # torch uint8 (slots, block_bytes) over the staging arena
         self._free_staging: list[int] = []
-        self._job_ids = itertools.count(1)
-        self._waiters: dict[int, _Waiter] = {}  # engine job id -> its call's waiter
-        self._inflight = [0] * len(self.config.root_dir)  # jobs per shard
-        self._collectors: list[threading.Thread] = []
-        self._claims: Any = None  # several roots: the arena's slots claimed across them
-        self._closing = False
-        self._pausing = 0  # clear() in progress: new jobs wait
         self._keep_metrics = bool(getattr(storage_config, "enable_storage_metrics", True))
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
         self._counts = {"pages_loaded": 0, "pages_load_failed": 0, "pages_stored": 0,
                         "pages_store_failed": 0, "sets_skipped_not_writer": 0}
         self.registered_pools = {}
+
+    @property
+    def _tiers(self) -> list[DiskTier]:
+        """The roots' tiers (none before a pool is registered)."""
+        return self._shards.tiers if self._shards is not None else []
+
+    @property
+    def _closing(self) -> bool:
+        return self._closed or (self._shards is not None and self._shards.closing)
+
+    def _shard(self, digest: bytes) -> int:
+        return self._shards.shard(digest)
 
     # ------------------------------------------------------------------ registration
 
@@ -325,6 +317,7 @@ class PyKVTierHiCache(HiCacheStorage):
             arena = staging
             self._staging = torch.from_numpy(staging)
             self._free_staging = list(range(slots))
+        tiers: list[DiskTier] = []
         try:
             for root in cfg.root_dir:
                 ns = os.path.join(root, "pykvtier-sglang", name)
@@ -346,22 +339,17 @@ class PyKVTierHiCache(HiCacheStorage):
                         "on purpose") from exc
                 except ValueError as exc:
                     raise ValueError(f"PyKVTierHiCache: root {root!r}{split}: {exc}") from exc
-                self._tiers.append(tier)
+                tiers.append(tier)
                 self.namespace_dirs.append(ns)
                 arena_slots = tier.set_arena(arena).num_slots  # registered once: fixed buffers
-            self._tier_options, self._arena = opts, arena
-            self._claims = (_native.SlotClaims(arena_slots)
-                            if len(self._tiers) > 1 else None)  # registers it as the engine's fixed buffers, once
         except BaseException:
-            for t in self._tiers:
+            for t in tiers:
                 t.shutdown()
-            self._tiers.clear()
             raise
-        for i in range(len(self._tiers)):
-            t = threading.Thread(target=self._collect, args=(i,), daemon=True,
-                                 name=f"pykvtier-sglang-collect-{i}")
-            t.start()
-            self._collectors.append(t)
+        self._tier_options, self._arena = opts, arena
+        # Several roots share the pool: its slots are claimed across them (Shards.claims).
+        claims = _native.SlotClaims(arena_slots) if len(tiers) > 1 else None
+        self._shards = Shards(tiers, "SGLang", cv=self._cv, claims=claims)
 
     # ------------------------------------------------------------------ keys
 
@@ -375,9 +363,6 @@ class PyKVTierHiCache(HiCacheStorage):
         if n == 1:
             return [k.encode() for k in keys]
         return [f"{k}:{j}".encode() for k in keys for j in range(n)]
-
-    def _shard(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:8], "little") % len(self._tiers)
 
     # ------------------------------------------------------------------ existence
 
@@ -398,146 +383,21 @@ class PyKVTierHiCache(HiCacheStorage):
         with self._cv:
             if self._closing:
                 return 0
-            answers = self._lookup(bkeys)
+            answers = self._shards.lookup(bkeys)
             if LookupResult.RETRY in answers and any(t.config.shared for t in self._tiers):
-                answers = self._settle(bkeys, answers)
+                answers = self._shards.settle(bkeys, answers)  # (a key still RETRY: absent)
         ok = [a is LookupResult.HIT or a is LookupResult.HIT_PENDING for a in answers]
         for i in range(len(keys)):
             if not all(ok[i * per:(i + 1) * per]):
                 return i
         return len(keys)
 
-    def _settle(self, bkeys: list[bytes], answers: list[LookupResult]) -> list[LookupResult]:
-        """The answers of a shared root once the probes of its RETRY keys completed: submits
-        them (one batch per root), then waits on the condition, the lock released, looking
-        again each ms (``_PROBE_POLL_S``) until those probes are applied, for at most
-        ``_PROBE_WAIT_S``; a key still RETRY then (e.g. being written) counts as absent. Called
-        holding the lock."""
-        for t in self._tiers:
-            t.on_step_end()  # submits the probes the lookups asked for; never waits
-        deadline = time.monotonic() + _PROBE_WAIT_S
-        while LookupResult.RETRY in answers and not self._closing:
-            if not any(t.probes_in_flight for t in self._tiers) or time.monotonic() > deadline:
-                break
-            self._cv.wait(_PROBE_POLL_S)  # (lock released: other threads go on meanwhile)
-            if self._closing:
-                break
-            for t in self._tiers:
-                t.apply_probes()  # (submits none: a probe_ttl_s=0 miss asks again, next call)
-            retry = [i for i, a in enumerate(answers) if a is LookupResult.RETRY]
-            for i, a in zip(retry, self._lookup([bkeys[i] for i in retry])):
-                answers[i] = a
-        return answers
-
-    def _lookup(self, bkeys: list[bytes]) -> list[LookupResult]:
-        if len(self._tiers) == 1:
-            look = self._tiers[0].lookup
-            return [look(k) for k in bkeys]
-        out = []
-        for k in bkeys:
-            d = key_digest(k)
-            out.append(self._tiers[self._shard(d)].lookup_digest(d))
-        return out
-
     # ------------------------------------------------------------------ jobs
 
     def _run(self, bkeys: list[bytes], slots: list[int], is_load: bool) -> dict[bytes, bool]:
         """Moves blocks ``bkeys`` to/from arena ``slots`` and waits (without the lock) for the
-        result: block key -> success."""
-        return self._await(self._submit(bkeys, slots, is_load))
-
-    def _submit(self, bkeys: list[bytes], slots: list[int], is_load: bool) -> Any:
-        """Submits the jobs (one per root) moving blocks ``bkeys`` to/from arena ``slots``;
-        returns the handle :meth:`_await` takes. A job a tier refuses (ValueError: a slot in
-        use by another job) fails its keys, logged."""
-        parts: dict[int, tuple[list[bytes], list[int], list[bytes] | None]] = {}
-        if len(self._tiers) == 1:
-            parts[0] = (bkeys, slots, None)  # the tier digests the keys itself, in C++
-        else:
-            for k, s in zip(bkeys, slots):
-                d = key_digest(k)  # once: the shard, then the tier's index and file name
-                ks, ss, ds = parts.setdefault(self._shard(d), ([], [], []))
-                ks.append(k)
-                ss.append(s)
-                ds.append(d)
-        waiter = _Waiter(0, is_load)
-        sent: dict[int, list[bytes]] = {}
-        claimed = b""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._pausing or self._closing)
-            if self._closing or not self._tiers:
-                return bkeys, waiter, sent, claimed
-            if self._claims is not None:
-                # Several roots share one arena: its slots are claimed across them, as one
-                # DiskTier claims its own (two loads into a slot, or a store from a slot a load
-                # fills, would race in it). Released when the call has its results.
-                rows = np.asarray(slots, np.int64).tobytes()
-                try:
-                    self._claims.claim(next(self._job_ids), rows, is_load)
-                except ValueError as exc:
-                    logger.warning("pykvtier: SGLang %s batch of %d blocks refused: %s",
-                                   "get" if is_load else "set", len(bkeys), exc)
-                    return bkeys, waiter, sent, claimed
-                claimed = rows
-            for shard, (ks, ss, ds) in parts.items():
-                jid = next(self._job_ids)
-                job = TransferJob(jid, ks, ss)
-                tier = self._tiers[shard]
-                try:
-                    (tier.submit_load if is_load else tier.submit_store)(job, ds)
-                except (ValueError, RuntimeError) as exc:
-                    logger.warning("pykvtier: SGLang %s batch of %d blocks refused: %s",
-                                   "get" if is_load else "set", len(ks), exc)
-                    continue
-                waiter.left += 1
-                sent[jid] = ks
-                self._waiters[jid] = waiter
-                self._inflight[shard] += 1
-            self._cv.notify_all()  # wakes the collectors
-        return bkeys, waiter, sent, claimed
-
-    def _await(self, handle: Any) -> dict[bytes, bool]:
-        """Waits (on the condition, the lock released) until the jobs of ``handle`` finished:
-        block key -> success."""
-        bkeys, waiter, sent, claimed = handle
-        with self._cv:
-            self._cv.wait_for(lambda: waiter.left == 0)
-            if claimed:
-                self._claims.release(claimed, waiter.is_load)
-        ok: dict[bytes, bool] = dict.fromkeys(bkeys, False)
-        for r in waiter.results:
-            done = r.successful_keys if r.successful_keys is not None else (
-                sent[r.job_id] if r.success else ())
-            for k in done:
-                ok[k] = True
-        return ok
-
-    def _collect(self, shard: int) -> None:
-        """Collector thread of one root: waits on its engine (GIL released, no lock), then
-        hands the finished jobs to their callers."""
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._inflight[shard] > 0 or self._closing)
-                if self._inflight[shard] == 0:
-                    return  # closing, nothing left in flight
-                tier = self._tiers[shard]  # (clear() reopens the tiers while none is in flight)
-                engine = tier.engine
-            got = engine.wait(_COLLECT_WAIT_S)
-            with self._cv:
-                results = tier.get_finished_jobs()
-                for r in results:
-                    w = self._waiters.pop(r.job_id, None)
-                    if w is None:
-                        continue
-                    self._inflight[shard] -= 1
-                    w.results.append(r)
-                    w.left -= 1
-                if results:
-                    self._cv.notify_all()
-                elif not got and engine.pending_jobs() == 0:
-                    # The tier holds the job back (a store waiting on its evictions' follow-up):
-                    # look again shortly rather than spin.
-                    self._cv.wait(_COLLECT_WAIT_S / 10)
+        result: block key -> success (all False once closing)."""
+        return self._shards.wait(self._shards.submit(bkeys, slots, is_load))
 
     def _host_pages(self, host_indices: Any, n: int) -> np.ndarray:
         """The first token slot of each of the ``n`` pages of ``host_indices`` (a 1-D integer
@@ -614,8 +474,8 @@ class PyKVTierHiCache(HiCacheStorage):
                         if not is_load:
                             for j, s in enumerate(slots):
                                 fill(i + j, s)
-                        handle = self._submit(self._block_keys(keys[i:i + len(slots)]), slots,
-                                              is_load)
+                        handle = self._shards.submit(self._block_keys(keys[i:i + len(slots)]),
+                                                     slots, is_load)
                     except BaseException:
                         self._give_staging(slots)
                         raise
@@ -625,8 +485,8 @@ class PyKVTierHiCache(HiCacheStorage):
                     break  # closing
                 first, slots, handle = pending.pop(0)
                 try:
-                    ok = self._await(handle)
-                    for j, (k, s) in enumerate(zip(handle[0], slots)):
+                    ok = self._shards.wait(handle)
+                    for j, (k, s) in enumerate(zip(handle.keys, slots)):
                         if ok[k] and is_load:
                             drain(first + j, s)
                         out[first + j] = ok[k]
@@ -634,7 +494,7 @@ class PyKVTierHiCache(HiCacheStorage):
                     self._give_staging(slots)
         finally:
             for _, slots, handle in pending:  # (an exception above: let their I/O finish)
-                self._await(handle)
+                self._shards.wait(handle)
                 self._give_staging(slots)
         return out
 
@@ -813,40 +673,29 @@ class PyKVTierHiCache(HiCacheStorage):
         """Removes every page of this model and rank from every root (SGLang's admin "clear
         storage"): waits for the batches in flight, then empties the namespace directories and
         reopens them. Gets and sets that arrive meanwhile wait."""
-        with self._cv:
-            if not self._tiers or self._closing:
+        sh = self._shards
+        if sh is None or self._closing:
+            return
+        with sh.paused():
+            if self._closing:
                 return
-            self._pausing += 1
-            try:
-                self._cv.wait_for(lambda: not self._waiters)
-                for i, t in enumerate(self._tiers):
-                    t.shutdown()
-                    blocks = t.layout.blocks_dir
-                    for entry in os.scandir(blocks):
-                        if entry.is_dir(follow_symlinks=False):
-                            shutil.rmtree(entry.path, ignore_errors=True)
-                        else:
-                            os.unlink(entry.path)
-                    self._tiers[i] = DiskTier(self.namespace_dirs[i], t.block_size_bytes,
-                                              **self._tier_options)
-                    self._tiers[i].set_arena(self._arena)
-            finally:
-                self._pausing -= 1
-                self._cv.notify_all()
+            for i, t in enumerate(sh.tiers):
+                t.shutdown()
+                for entry in os.scandir(t.layout.blocks_dir):
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
+                sh.tiers[i] = DiskTier(self.namespace_dirs[i], t.block_size_bytes,
+                                       **self._tier_options)
+                sh.tiers[i].set_arena(self._arena)
 
     def close(self) -> None:
         """Finishes the batches in flight, stops the collector threads and shuts the tiers down
         (SGLang calls it on detach). Idempotent."""
-        with self._cv:
-            if self._closing:
-                return
-            self._cv.wait_for(lambda: not self._waiters)
-            self._closing = True
-            self._cv.notify_all()
-        for t in self._collectors:
-            t.join()
-        for t in self._tiers:
-            t.shutdown()
+        if self._shards is not None:
+            self._shards.close()  # (idempotent; wakes calls waiting for staging slots)
+        self._closed = True
 
 
 def _as_bytes(t: Any, nbytes: int) -> torch.Tensor:

@@ -15,8 +15,11 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+import numpy as np
 
 from ..layout import key_digest
 from ..tier import DiskTier, JobResult, LookupResult, TransferJob
@@ -33,14 +36,17 @@ _PROBE_WAIT_S = 5.0  # ... and for how long at most (then unanswered keys count 
 class _Call:
     """The engine jobs of one submit(), and their results as the collectors hand them out."""
 
-    __slots__ = ("left", "results", "sent", "keys", "on_done")
+    __slots__ = ("left", "results", "sent", "keys", "on_done", "is_load", "claimed")
 
-    def __init__(self, keys: Sequence[bytes], on_done: Callable[[dict[bytes, bool]], None] | None):
+    def __init__(self, keys: Sequence[bytes], on_done: Callable[[dict[bytes, bool]], None] | None,
+                 is_load: bool):
         self.left = 0
         self.results: list[JobResult] = []
         self.sent: dict[int, list[bytes]] = {}  # job id -> its keys
         self.keys = keys
         self.on_done = on_done
+        self.is_load = is_load
+        self.claimed = b""  # the slots claimed across roots (Shards.claims), as int64 rows
 
     def outcome(self) -> dict[bytes, bool]:
         """Block key -> success (a key of no job, e.g. a refused one, False)."""
@@ -57,14 +63,22 @@ class Shards:
     """DiskTiers (one per root, sharing one arena) behind one lock, with collector threads.
 
     ``cv``: the lock (a Condition) every DiskTier call is made under; callers of :meth:`lookup`
-    and :meth:`settle` hold it. ``name``: the adapter's name, for the log and thread names.
+    and :meth:`settle` hold it (an adapter may pass its own, to guard its state with it too).
+    ``name``: the adapter's name, for the log and thread names. ``claims``: where several roots
+    share one arena whose jobs may name the same slots (SGLang's host pool), a
+    ``_native.SlotClaims`` over its slots: a call's slots are claimed across the roots, as one
+    DiskTier claims its own, until its jobs finished (two loads into a slot, or a store from a
+    slot a load fills, would race in it); a call whose slots are taken fails, logged.
     """
 
-    def __init__(self, tiers: list[DiskTier], name: str) -> None:
+    def __init__(self, tiers: list[DiskTier], name: str, *, cv: threading.Condition | None = None,
+                 claims: Any = None) -> None:
         self.tiers = tiers
         self.name = name
-        self.cv = threading.Condition(threading.Lock())
+        self.cv = cv if cv is not None else threading.Condition(threading.Lock())
+        self.claims = claims
         self.closing = False
+        self._pausing = 0  # paused() blocks in progress: new submits wait
         self._job_ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}  # job id -> its call
         self._inflight = [0] * len(tiers)  # jobs per root
@@ -121,8 +135,10 @@ class Shards:
         returns the handle :meth:`wait` takes, or with ``on_done`` calls ``on_done(block key
         -> success)`` once, from a collector thread (outside the lock), when they finished (at
         once, on this thread, when nothing was submitted). A job a tier refuses (ValueError:
-        a slot in use by another job) fails its keys, logged. Call without holding ``cv``."""
-        call = _Call(bkeys, on_done)
+        a slot in use by another job) fails its keys, logged; so do all of them when their
+        slots are claimed by another call (``claims``). Waits while :meth:`paused`. Call without
+        holding ``cv``."""
+        call = _Call(bkeys, on_done, is_load)
         parts: dict[int, tuple[list[bytes], list[int], list[bytes] | None]] = {}
         if len(self.tiers) == 1:
             parts[0] = (list(bkeys), list(slots), None)  # the tier digests the keys, in C++
@@ -134,6 +150,16 @@ class Shards:
                 ss.append(s)
                 ds.append(d)
         with self.cv:
+            self.cv.wait_for(lambda: not self._pausing or self.closing)
+            if not self.closing and self.claims is not None:
+                rows = np.asarray(slots, np.int64).tobytes()
+                try:
+                    self.claims.claim(next(self._job_ids), rows, is_load)
+                    call.claimed = rows
+                except ValueError as exc:
+                    logger.warning("pykvtier: %s %s of %d blocks refused: %s", self.name,
+                                   "load" if is_load else "store", len(bkeys), exc)
+                    parts.clear()
             if not self.closing:
                 for shard, (ks, ss, ds) in parts.items():
                     jid = next(self._job_ids)
@@ -149,6 +175,8 @@ class Shards:
                     self._calls[jid] = call
                     self._inflight[shard] += 1
                 self.cv.notify_all()  # wakes the collectors
+            if call.left == 0:
+                self._release(call)
         if call.left == 0 and on_done is not None:
             on_done(call.outcome())
         return call
@@ -160,9 +188,28 @@ class Shards:
             self.cv.wait_for(lambda: call.left == 0)
         return call.outcome()
 
+    def _release(self, call: _Call) -> None:
+        """The call's claims given back (holding ``cv``; its jobs finished)."""
+        if call.claimed:
+            self.claims.release(call.claimed, call.is_load)
+            call.claimed = b""
+
     def idle(self) -> bool:
         """No job in flight (call holding ``cv``)."""
         return not any(self._inflight)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Holding ``cv``, once no job is in flight; new submits wait until the block ends (an
+        adapter replaces ``tiers[i]`` there, e.g. SGLang's clear())."""
+        with self.cv:
+            self._pausing += 1
+            try:
+                self.cv.wait_for(self.idle)
+                yield
+            finally:
+                self._pausing -= 1
+                self.cv.notify_all()
 
     def drain(self) -> None:
         """Waits until no job is in flight (their callbacks run)."""
@@ -172,6 +219,8 @@ class Shards:
     def close(self) -> None:
         """Drains, stops the collectors and shuts the tiers down. Idempotent."""
         with self.cv:
+            if self.closing:
+                return
             self.cv.wait_for(self.idle)
             self.closing = True
             self.cv.notify_all()
@@ -204,8 +253,10 @@ class Shards:
                     ours += 1
                     call.results.append(r)
                     call.left -= 1
-                    if call.left == 0 and call.on_done is not None:
-                        done.append(call)
+                    if call.left == 0:
+                        self._release(call)
+                        if call.on_done is not None:
+                            done.append(call)
                 if ours:
                     self.cv.notify_all()  # wakes wait()
                 if not done:
