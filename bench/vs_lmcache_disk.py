@@ -271,10 +271,17 @@ def tier_info(name: str, backend, geo: Geometry) -> dict:
             "use_odirect": bool(backend.use_odirect), "f_bsize": bs}
 
 
+#: pykvtier's bookkeeping files beside its blocks (not counted as chunk files)
+_META_FILES = ("config.json", "pykvtier-root.json", ".pykvtier.lock")
+
+
 def files_under(path: str) -> tuple[int, int]:
+    """(chunk files, their bytes) under ``path``: every file but pykvtier's bookkeeping."""
     n = size = 0
     for dp, _, fs in os.walk(path):
         for f in fs:
+            if f in _META_FILES:
+                continue
             try:
                 size += os.path.getsize(os.path.join(dp, f))
                 n += 1

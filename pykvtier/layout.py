@@ -91,6 +91,7 @@ def check_file_mode(mode: object, what: str = "mode") -> int:
     chmod takes them ("640", "0640", "0o640": a config file's spelling), with no bits outside
     0o666 and owner read+write set (0o600, 0o640, 0o660...). TypeError/ValueError naming
     ``what``."""
+    given_int = not isinstance(mode, str)
     if isinstance(mode, str):
         m = _OCTAL_MODE.fullmatch(mode)
         if m is None:
@@ -101,8 +102,12 @@ def check_file_mode(mode: object, what: str = "mode") -> int:
         raise TypeError(f"{what} must be an int of permission bits (e.g. 0o600), "
                         f"not {type(mode).__name__}")
     if mode < 0 or mode & ~0o666 or mode & 0o600 != 0o600:
+        hint = ""
+        if given_int and mode > 0o666 and set(str(mode)) <= set("01234567"):
+            # 640 in YAML/JSON is the number 640 (0o1200), not octal 640
+            hint = f" (the number {mode}; for octal {mode} write the string \"{mode}\")"
         raise ValueError(f"{what} must be file permission bits within 0o666 with owner read and "
-                         f"write set (e.g. 0o600, 0o640, 0o660), got {oct(mode)}")
+                         f"write set (e.g. 0o600, 0o640, 0o660), got {oct(mode)}{hint}")
     return mode
 
 

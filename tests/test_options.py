@@ -227,3 +227,24 @@ def test_fsync_turns_recycling_off(root, make_tier, arena):
     assert (s["evictions"], s["evictions_recycled"], s["files_recycled"]) == (2, 0, 0)
     files = sorted(glob.glob(os.path.join(tier.layout.blocks_dir, "*", "*")))
     assert files == sorted(tier.layout.block_path(key_digest(k)) for k in keys[2:])
+
+
+@pytest.mark.parametrize("given, want", [
+    ("640", 0o640), ("0640", 0o640), ("0o640", 0o640), (0o640, 0o640), (416, 0o640), (0o600, 0o600)])
+def test_file_mode_spellings(given, want):
+    from pykvtier.layout import check_file_mode
+    assert check_file_mode(given) == want
+
+
+def test_a_bare_640_from_yaml_is_named_as_the_number_it_is():
+    """YAML and JSON read an unquoted 640 as the number 640 (0o1200): the error says so and
+    how to write octal 640."""
+    from pykvtier.layout import check_file_mode
+    with pytest.raises(ValueError) as err:
+        check_file_mode(640)
+    assert str(err.value) == (
+        "mode must be file permission bits within 0o666 with owner read and write set (e.g. "
+        "0o600, 0o640, 0o660), got 0o1200 (the number 640; for octal 640 write the string \"640\")")
+    with pytest.raises(ValueError) as err:
+        check_file_mode(0o744)  # 484: no octal-looking number, no hint
+    assert str(err.value).endswith("got 0o744")

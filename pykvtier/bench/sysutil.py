@@ -87,11 +87,12 @@ def default_bench_dir(name: str) -> str:
 
 def disk_bench_dir(path: str | None, name: str) -> tuple[str, tuple[str, str, str]]:
     """The bench directory (``path``, or :func:`default_bench_dir` ``name``), created; with the
-    mount holding it. SystemExit where it is on a tmpfs or ramfs (no O_DIRECT, never cold)."""
+    mount holding it. SystemExit where it is on a tmpfs or ramfs (its reads never leave memory)."""
     path = path or default_bench_dir(name)
     mnt = mount_of(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path)))
     if mnt[1] in ("tmpfs", "ramfs"):
-        raise SystemExit(f"{path} is on {mnt[1]}: no O_DIRECT, never cold; use a disk")
+        raise SystemExit(f"{path} is on {mnt[1]}: its reads never leave memory (never cold); "
+                         "use a disk")
     os.makedirs(path, exist_ok=True)
     return path, mnt
 

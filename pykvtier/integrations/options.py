@@ -70,7 +70,8 @@ class AdapterOptions:
     fsync: bool = opt(False, "durable stores: each block file fdatasync'ed, each directory "
                              "fsync'ed once per batch, before the set returns")
     mode: Any = opt(0o600, "permission bits of the files the backend creates (`\"640\"` or "
-                           "`416` in JSON); directories get the matching x bits", "`0o600`")
+                           "`416` in JSON, `\"640\"` or `0640` in YAML: a bare 640 is the "
+                           "number 640); directories get the matching x bits", "`0o600`")
     min_free_bytes: int | None = opt(
         None, "free space kept on each root's file system; `null`: 5 %", "5 % of the file system")
     probe_ttl_s: float = opt(1.0, "how long a probe's \"not found\" stays a miss (`shared`)")
