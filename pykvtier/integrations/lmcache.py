@@ -61,7 +61,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
-from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .. import __version__
@@ -155,8 +155,10 @@ class _Format:
         return _PACKED_MAGIC + struct.pack("<I", len(body)) + body
 
     @classmethod
-    def from_record(cls, tail: bytes) -> _Format:
-        """The format in a packed block's last bytes; ValueError when they hold none."""
+    def from_record(cls, tail: bytes, block_bytes: int) -> _Format:
+        """The format in a packed block's last bytes; ValueError when they hold none, or one
+        that cannot be this block's (shapes, dtypes or format unknown, a length that is not
+        the shapes' or that does not fit the block beside its record)."""
         i = tail.rfind(_PACKED_MAGIC)
         if i < 0:
             raise ValueError("no packed record")
@@ -165,17 +167,54 @@ class _Format:
         if len(body) != n or i + len(_PACKED_MAGIC) + 4 + n != len(tail):
             raise ValueError("truncated packed record")
         d = json.loads(body)
-        return cls(tuple(tuple(s) for s in d["shapes"]), tuple(d["dtypes"]), int(d["fmt"]),
-                   int(d["nbytes"]))
+        if not isinstance(d, dict):
+            raise ValueError("packed record is not an object")
+        shapes, dtypes, fmt, nbytes = d["shapes"], d["dtypes"], d["fmt"], d["nbytes"]
+        if (not isinstance(shapes, list) or not isinstance(dtypes, list) or not shapes
+                or len(shapes) != len(dtypes)
+                or not all(isinstance(s, list) and all(type(x) is int and x >= 0 for x in s)
+                           for s in shapes)
+                or not all(isinstance(t, str) and isinstance(getattr(torch, t, None), torch.dtype)
+                           for t in dtypes)
+                or type(fmt) is not int or type(nbytes) is not int):
+            raise ValueError("malformed packed record")
+        MemoryFormat(fmt)  # ValueError: not a format
+        true = sum(math.prod(s) * getattr(torch, t).itemsize for s, t in zip(shapes, dtypes))
+        if nbytes != true or nbytes + 4 + len(_PACKED_MAGIC) + n > block_bytes:
+            raise ValueError(f"packed record says {nbytes} bytes ({shapes}): not an object of a "
+                             f"{block_bytes}-byte block")
+        return cls(tuple(tuple(s) for s in shapes), tuple(dtypes), fmt, nbytes)
 
 
 def _key_bytes(key: Any) -> bytes:
     """The block key of an LMCache key: ``CacheEngineKey.to_string()`` (stable across runs)."""
-    s = key.to_string() if hasattr(key, "to_string") else key
+    to_string = getattr(key, "to_string", None)
+    s = to_string() if callable(to_string) else None
     if not isinstance(s, str):
         raise TypeError(f"PyKVTierStoragePlugin: keys must be LMCache CacheEngineKeys, not "
                         f"{type(key).__name__}")
     return s.encode()
+
+
+def _check_root(root: str) -> None:
+    """ValueError naming ``root`` when it (or, missing, the directory it would be made in) is
+    not a writable directory."""
+    p = os.path.abspath(root)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ValueError(f"PyKVTierStoragePlugin: root {root!r}: {p} is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"PyKVTierStoragePlugin: root {root!r}: {p} is not writable (read-only "
+                         "file system or permissions): root_dir must be a writable directory")
+
+
+def _format_of(obj: Any, i: int) -> _Format:
+    """The format of ``objs[i]`` of a put; TypeError when it is not an LMCache MemoryObj."""
+    if not isinstance(obj, MemoryObj):
+        raise TypeError(f"PyKVTierStoragePlugin: objs[{i}] must be an LMCache MemoryObj, not "
+                        f"{type(obj).__name__}")
+    return _Format.of(obj)
 
 
 class PyKVTierStoragePlugin(StoragePluginInterface):
@@ -210,7 +249,10 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         self._putting: dict[bytes, Any] = {}  # block key -> LMCache key, puts in flight
         self._pins: dict[bytes, tuple[Any, bytes, int]] = {}  # block key -> (tier, digest, count)
         self._lock_free = threading.Lock()  # close() once
-        self.counts = {"puts_zero_copy": 0, "puts_packed": 0, "puts_skipped_present": 0,
+        self._final_stats: dict[str, int] | None = None
+        self._active = 0  # calls using the arena now (close() waits for them)
+        self.counts = {"puts_zero_copy": 0, "puts_packed": 0, "puts_copied": 0,
+                       "puts_skipped_present": 0,
                        "puts_failed": 0, "puts_refused_no_memory": 0, "gets_hit": 0,
                        "gets_missed": 0, "gets_failed": 0, "gets_no_memory": 0}
         try:
@@ -268,7 +310,10 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         try:  # every DiskTier option checked before any root is touched
             DiskTierConfig(cfg.root_dir[0], self.block_bytes, **opts)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{exc}{split}") from exc
+            raise ValueError(f"PyKVTierStoragePlugin: {exc}{split}; a block is one LMCache chunk "
+                             f"of {nbytes} bytes (chunk_size={self.config.chunk_size})") from exc
+        for root in cfg.root_dir:  # every root checked before any is touched
+            _check_root(root)
         name, run = self._namespace()
         tiers: list[DiskTier] = []
         self.namespace_dirs: list[str] = []
@@ -491,55 +536,86 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                                 on_complete_callback: Any = None) -> list[Future] | None:
         """Stores the chunks of ``keys`` from memory objects ``objs``, asynchronously: returns
         at once one Future per key submitted (True once its block is in place, False if it
-        failed; keys already stored or in flight are skipped, as LocalDiskBackend skips them),
-        or None when none was. ``on_complete_callback(key)`` runs once per key stored, on a
-        pykvtier thread (its exceptions are logged). Each object is referenced
-        (``ref_count_up``) until its write finished. Full chunks are written from their own
-        memory (no copy); others are packed (copied into a staging object with their record).
-        As LMCache's ``StorageBackendInterface.batched_submit_put_task``."""
+        failed, e.g. no room or no staging memory; keys already stored or in flight, or given
+        twice, are skipped, as LocalDiskBackend skips them), or None when none was.
+        ``on_complete_callback(key)`` runs once per key stored, on a pykvtier thread (its
+        exceptions are logged). Each object is referenced (``ref_count_up``) until its write
+        finished. Full chunks in LocalCPUBackend's arena are written from their own memory (no
+        copy); others are copied into a staging object (with their record when they are not
+        full chunks: packed). As LMCache's ``StorageBackendInterface.batched_submit_put_task``.
+        TypeError for a key that is not a CacheEngineKey or an object that is not a MemoryObj,
+        ValueError for lists of different lengths: nothing is stored then."""
+        keys, objs = list(keys), list(objs)
         if len(keys) != len(objs):
             raise ValueError(f"PyKVTierStoragePlugin: {len(keys)} keys but {len(objs)} memory objects")
         kbs = [_key_bytes(k) for k in keys]
-        sh = self._shards
-        if sh is None or self._closed:
+        fmts = [_format_of(o, i) for i, o in enumerate(objs)]
+        sh = self._begin()
+        if sh is None:
             return None
-        todo: list[tuple[Any, bytes, Any]] = []
+        try:
+            return self._put(sh, keys, kbs, objs, fmts, on_complete_callback)
+        finally:
+            self._end()
+
+    def _put(self, sh: Shards, keys: list[Any], kbs: list[bytes], objs: list[Any],
+             fmts: list[_Format], on_complete_callback: Any) -> list[Future] | None:
+        todo: list[tuple[Any, bytes, Any, _Format]] = []
         with sh.cv:
-            if self._closed:
-                return None
-            for key, kb, obj in zip(keys, kbs, objs):
-                if kb in self._putting:
+            for key, kb, obj, fmt in zip(keys, kbs, objs, fmts):
+                if kb in self._putting:  # in flight (or given twice in this call)
                     continue
                 a, _ = self._where(kb)
                 if a in _STORED:
                     self.counts["puts_skipped_present"] += 1
                     continue
                 self._putting[kb] = key
-                todo.append((key, kb, obj))
+                todo.append((key, kb, obj, fmt))
         if not todo:
             return None
-        bkeys, slots, held, futures = [], [], [], {}
-        for key, kb, obj in todo:
-            slot = self._slot(obj) if _Format.of(obj) == self.full else None
-            if slot is not None:
-                obj.ref_count_up()
-                bkeys.append(kb)
-                held.append(obj)
-                self.counts["puts_zero_copy"] += 1
-            else:
-                staged = self._pack(obj)
-                if staged is None:
-                    with sh.cv:
-                        del self._putting[kb]
-                    continue
-                slot = self._slot(staged)
-                bkeys.append(kb + _PACKED_TAG)
-                held.append(staged)
-                self.counts["puts_packed"] += 1
-            slots.append(slot)
-            futures[bkeys[-1]] = (key, kb, Future())
+        bkeys, slots, held = [], [], []
+        futures: dict[bytes, tuple[Any, bytes, Future]] = {}
+        out: list[Future] = []
+        refused: list[bytes] = []
+        n = {"puts_zero_copy": 0, "puts_packed": 0, "puts_copied": 0}
+        try:
+            for key, kb, obj, fmt in todo:
+                slot = self._slot(obj) if fmt == self.full else None
+                if slot is not None:
+                    obj.ref_count_up()
+                    bk = kb
+                    held.append(obj)
+                    n["puts_zero_copy"] += 1
+                else:
+                    staged = self._pack(obj, fmt)
+                    if staged is None:
+                        refused.append(kb)
+                        fut: Future = Future()
+                        fut.set_result(False)
+                        out.append(fut)
+                        continue
+                    bk = kb if fmt == self.full else kb + _PACKED_TAG
+                    slot = self._slot(staged)
+                    held.append(staged)
+                    n["puts_packed" if fmt != self.full else "puts_copied"] += 1
+                bkeys.append(bk)
+                slots.append(slot)
+                futures[bk] = (key, kb, Future())
+                out.append(futures[bk][2])
+        except BaseException:
+            with sh.cv:
+                for _, kb, _, _ in todo:
+                    self._putting.pop(kb, None)
+            for o in held:
+                o.ref_count_down()
+            raise
+        with sh.cv:
+            for kb in refused:
+                del self._putting[kb]
+            for k, v in n.items():
+                self.counts[k] += v
         if not bkeys:
-            return None
+            return out
 
         def finished(ok: dict[bytes, bool]) -> None:
             with sh.cv:
@@ -558,33 +634,38 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                         logger.exception("pykvtier: LMCache put callback for %s failed", key)
 
         sh.submit(bkeys, slots, False, finished)
-        return [f for _, _, f in futures.values()]
+        return out
 
-    def _pack(self, obj: Any) -> Any:
-        """A staging object (one block, in the arena) holding ``obj``'s bytes and, at its end,
-        the record of its format; None (logged, counted) when it cannot be made."""
-        fmt = _Format.of(obj)
-        rec = fmt.record()
+    def _pack(self, obj: Any, fmt: _Format) -> Any:
+        """A staging object (one block, in the arena) holding ``obj``'s bytes and, unless it is
+        a full chunk (one outside the arena), at its end the record of its format; None
+        (logged, counted) when it cannot be made."""
+        packed = fmt != self.full
+        rec = fmt.record() if packed else b""
         if fmt.nbytes + len(rec) > self.block_bytes or len(rec) > _RECORD_MAX:
-            self.counts["puts_failed"] += 1
+            with self._shards.cv:
+                self.counts["puts_failed"] += 1
             logger.warning("pykvtier: LMCache object of %d bytes (%s) does not fit a %d-byte "
                            "block with its record; not stored", fmt.nbytes, fmt.shapes,
                            self.block_bytes)
             return None
         staged = self._staging_format.allocate(self.local_cpu_backend, busy_loop=False)
         if staged is None:
-            self.counts["puts_refused_no_memory"] += 1
-            logger.warning("pykvtier: no LMCache CPU memory for a packed chunk's staging object; "
+            with self._shards.cv:
+                self.counts["puts_refused_no_memory"] += 1
+            logger.warning("pykvtier: no LMCache CPU memory for a chunk's staging object; "
                            "not stored")
             return None
         if self._slot(staged) is None:  # (an allocator outside the arena: not this one)
             staged.ref_count_down()
-            self.counts["puts_failed"] += 1
+            with self._shards.cv:
+                self.counts["puts_failed"] += 1
             return None
         base = int(staged.data_ptr)
         ctypes.memmove(base, int(obj.data_ptr), fmt.nbytes)
         ctypes.memset(base + fmt.nbytes, 0, self.block_bytes - fmt.nbytes - len(rec))
-        ctypes.memmove(base + self.block_bytes - len(rec), rec, len(rec))
+        if rec:
+            ctypes.memmove(base + self.block_bytes - len(rec), rec, len(rec))
         return staged
 
     # ------------------------------------------------------------------ gets
@@ -600,24 +681,35 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         root): a list of memory objects or None, in key order."""
         kbs = [_key_bytes(k) for k in keys]
         out: list[Any] = [None] * len(kbs)
-        sh = self._shards
-        if sh is None or self._closed or not kbs:
+        if not kbs:
             return out
+        sh = self._begin()
+        if sh is None:
+            return out
+        n = dict.fromkeys(("gets_hit", "gets_missed", "gets_failed", "gets_no_memory"), 0)
+        try:
+            self._get(sh, kbs, out, n)
+        finally:
+            with sh.cv:
+                for k, v in n.items():
+                    self.counts[k] += v
+            self._end()
+        return out
+
+    def _get(self, sh: Shards, kbs: list[bytes], out: list[Any], n: dict[str, int]) -> None:
         with sh.cv:
-            if self._closed:
-                return out
             where = self._answers(kbs)
         bkeys, slots, objs, idx, packed = [], [], [], [], []
         for i, (kb, (a, is_packed)) in enumerate(zip(kbs, where)):
             if a not in _STORED:
-                self.counts["gets_missed"] += 1
+                n["gets_missed"] += 1
                 continue
             fmt = self._staging_format if is_packed else self.full
             obj = fmt.allocate(self.local_cpu_backend)
             if obj is None or self._slot(obj) is None:
                 if obj is not None:
                     obj.ref_count_down()
-                self.counts["gets_no_memory"] += 1
+                n["gets_no_memory"] += 1
                 continue
             bkeys.append(kb + _PACKED_TAG if is_packed else kb)
             slots.append(self._slot(obj))
@@ -625,31 +717,30 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             idx.append(i)
             packed.append(is_packed)
         if not bkeys:
-            return out
+            return
         ok = sh.wait(sh.submit(bkeys, slots, True))
         for bk, obj, i, is_packed in zip(bkeys, objs, idx, packed):
             if not ok[bk]:
                 obj.ref_count_down()
-                self.counts["gets_failed"] += 1
+                n["gets_failed"] += 1
                 continue
             if is_packed:
-                obj = self._unpack(obj)
+                obj = self._unpack(obj, n)
                 if obj is None:
-                    self.counts["gets_failed"] += 1
+                    n["gets_failed"] += 1
                     continue
             out[i] = obj
-            self.counts["gets_hit"] += 1
-        return out
+            n["gets_hit"] += 1
 
-    def _unpack(self, staged: Any) -> Any:
+    def _unpack(self, staged: Any, n: dict[str, int]) -> Any:
         """The object a packed block holds (staged: the block, loaded), staged released."""
         base = int(staged.data_ptr)
         try:
             tail = ctypes.string_at(base + self.block_bytes - _RECORD_MAX, _RECORD_MAX)
-            fmt = _Format.from_record(tail)
+            fmt = _Format.from_record(tail, self.block_bytes)
             obj = fmt.allocate(self.local_cpu_backend)
             if obj is None:
-                self.counts["gets_no_memory"] += 1
+                n["gets_no_memory"] += 1
                 return None
             if int(obj.get_size()) != fmt.nbytes:
                 obj.ref_count_down()
@@ -657,7 +748,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                                  f"{obj.get_size()}")
             ctypes.memmove(int(obj.data_ptr), base, fmt.nbytes)
             return obj
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             logger.warning("pykvtier: a packed LMCache chunk's record is unreadable (%s); "
                            "treated as missing", exc)
             return None
@@ -674,6 +765,13 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         """The plug-in's counts (``puts_zero_copy``, ``puts_packed``, ``gets_hit``, ...) and
         its tiers' DiskTier counters, summed over the roots."""
         out = dict(self.counts)
+        tiers = self._final_stats if self._final_stats is not None else self._tier_stats()
+        for k, v in tiers.items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    def _tier_stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
         if self._shards is not None:
             with self._shards.cv:
                 for t in self._shards.tiers:
@@ -684,17 +782,41 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         return out
 
     def close(self) -> None:
-        """Waits for every put and get in flight (their callbacks run), then shuts the tiers
-        down. Idempotent; called by LMCache's StorageManager.close (through LocalCPUBackend's
-        close, before the arena is freed, and again as a plug-in)."""
+        """Waits for every call using LocalCPUBackend's arena (puts being submitted, gets) and
+        every put and get in flight (their callbacks run), then shuts the tiers down; calls
+        made from then on answer as for an absent chunk (False, 0, None). Idempotent; called
+        by LMCache's StorageManager.close (through LocalCPUBackend's close, before the arena is
+        freed, and again as a plug-in)."""
         with self._lock_free:
-            if self._closed or self._shards is None:
+            sh = self._shards
+            if self._closed or sh is None:
                 self._closed = True
                 return
-            self._closed = True
+            with sh.cv:
+                self._closed = True
+                sh.cv.wait_for(lambda: self._active == 0)
+                for tier, d, n in self._pins.values():
+                    tier.unpin([d] * n)
+                self._pins.clear()
+        sh.drain()
+        self._final_stats = self._tier_stats()  # stats() after close: the last figures
+        sh.close()
+
+    def _begin(self) -> Shards | None:
+        """The shards, counting the caller as using the arena until :meth:`_end`; None once
+        closed (or closing)."""
+        sh = self._shards
+        if sh is None or self._closed:
+            return None
+        with sh.cv:
+            if self._closed:
+                return None
+            self._active += 1
+        return sh
+
+    def _end(self) -> None:
         sh = self._shards
         with sh.cv:
-            for tier, d, n in self._pins.values():
-                tier.unpin([d] * n)
-            self._pins.clear()
-        sh.close()
+            self._active -= 1
+            if self._active == 0:
+                sh.cv.notify_all()
