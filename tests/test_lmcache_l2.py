@@ -87,7 +87,7 @@ def key(i, model=MODEL, salt=""):
 
 
 def fill(objs, seed):
-    """Random bytes in each object (the whole physical block); returns them."""
+    """Random bytes in each object (its logical size); returns them."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for o in objs:
@@ -425,3 +425,48 @@ def test_controller_threads_concurrently(l1, tmp_path):
         assert all(not s.pins for s in a._namespaces.values())
     finally:
         a.close()
+
+
+def test_shared_roots_probe_on_the_lookup_worker(l1, tmp_path):
+    """Two servers sharing a root (shared: true): blocks one stored, in a namespace made after
+    the other started, are found by the other's lookups (probed on its worker thread)."""
+    a = build(l1, tmp_path, shared=True)
+    b = build(l1, tmp_path, shared=True, probe_ttl_s=0)
+    try:
+        keys = [key(i) for i in range(3)]
+        objs = alloc(l1, 3)
+        data = fill(objs, 9)
+        assert store(a, keys, objs).bytes_transferred() == 3 * OBJ
+        assert b._namespaces == {}
+        assert lookup(b, keys + [key(9)]) == [0, 1, 2]
+        fresh = alloc(l1, 3)
+        assert load(b, keys, fresh) == [0, 1, 2]
+        assert [read(o) for o in fresh] == data
+        b.submit_unlock(keys)
+    finally:
+        b.close()
+        a.close()
+
+
+def test_l1_in_posix_shared_memory(tmp_path):
+    """LMCache's MP server puts L1 in POSIX shared memory by default: moved by address too."""
+    m = L1MemoryManager(L1MemoryManagerConfig(size_in_bytes=4 << 20, use_lazy=False,
+                                              shm_name=f"pykvtier_test_{os.getpid()}"))
+    try:
+        assert m.get_l1_memory_desc().stable_registration_size is None  # (SHM-backed)
+        a = build(m, tmp_path)
+        try:
+            keys = [key(i) for i in range(4)]
+            objs = alloc(m, 4)
+            data = fill(objs, 11)
+            assert store(a, keys, objs).bytes_transferred() == 4 * OBJ
+            assert lookup(a, keys) == [0, 1, 2, 3]
+            fresh = alloc(m, 4)
+            assert load(a, keys, fresh) == [0, 1, 2, 3]
+            assert [read(o) for o in fresh] == data
+            a.submit_unlock(keys)
+            assert a.stats()["stores_zero_copy"] == 4
+        finally:
+            a.close()
+    finally:
+        m.close()

@@ -31,7 +31,8 @@ How it maps onto pykvtier:
   a size creates it; a load reads only from the namespace of its object's size, so an object
   never comes back with another length; a lookup asks every namespace of the key's model. At
   construction the namespaces already on the roots are opened (their index rebuilt from the
-  files), so a restarted server finds its blocks.
+  files), so a restarted server finds its blocks; on ``shared`` roots, lookups also open the
+  namespaces other servers made since (looked for at most once per ``probe_ttl_s``).
 - Keys: ``model@<kv_rank %08x>@<group %x>@<chunk_hash hex>[@<cache_salt>]`` as bytes.
 - Lookup-and-lock pins each block found (``DiskTier.pin``): eviction and ``delete`` never take
   it until as many ``submit_unlock`` calls. Loads verify each block (header, key digest,
@@ -59,6 +60,7 @@ import logging
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -266,6 +268,7 @@ class PyKVTierL2Adapter(L2AdapterInterface):
         self._load_efd = create_event_notifier()
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="pykvtier-l2-lookup")
                         if opts.shared else None)
+        self._scanned = time.monotonic()
 
     # ------------------------------------------------------------------ start-up
 
@@ -569,6 +572,7 @@ class PyKVTierL2Adapter(L2AdapterInterface):
     def _lookup_on_worker(self, tid: int, keys: list[Any], bks: list[bytes]) -> None:
         try:
             try:
+                self._rescan()
                 bitmap = self._lookup_lock(keys, bks, settle=True)
             except Exception:
                 logger.exception("pykvtier: LMCache L2 lookup failed; answered absent")
@@ -576,6 +580,24 @@ class PyKVTierL2Adapter(L2AdapterInterface):
             self._lookup_done(tid, bitmap)
         finally:
             self._end()  # (after the eventfd is signalled: close() waits for it)
+
+    def _rescan(self) -> None:
+        """``shared`` roots: opens the namespaces other servers made since the last look (at
+        most once per ``probe_ttl_s``; on the lookup worker thread)."""
+        now = time.monotonic()
+        if now - self._scanned < self.options.probe_ttl_s:
+            return
+        self._scanned = now
+        found: set[tuple[str, int]] = set()
+        for root in self.options.root_dir:
+            found.update(self._scan(os.path.join(root, _DIR)))
+        for ns_key in sorted(found - set(self._namespaces)):
+            with self._ns_lock:
+                try:
+                    self._open(*ns_key)
+                except ValueError as exc:
+                    logger.warning("pykvtier: LMCache L2 namespace of %r not opened: %s",
+                                   ns_key[0], exc)
 
     def _lookup_done(self, tid: int, bitmap: Any) -> None:
         with self._lock:
