@@ -961,3 +961,35 @@ def test_a_pinned_chunk_whose_file_went_bad_is_dropped_with_its_last_pin(engines
     assert p.unpin(k[0]) is True
     assert p.contains(k[0]) is False and p.pin(k[0]) is False
     check_exact(e, [k[1]], [1])
+
+
+def test_a_get_with_no_cpu_memory_returns_none_at_once(engines):
+    """LocalCPUBackend's arena held full by others: a get answers None (counted as
+    gets_no_memory) instead of waiting in LMCache's allocator for memory that never frees; once
+    memory is back the chunk comes back byte-exact. (Before: allocate(busy_loop=True) looped
+    forever, and a batch larger than the arena waited on memory it held itself.)"""
+    e = engines()
+    k = e.key(0)
+    assert put_wait(e, [k], [5]) == [True]
+    cpu = e.sm.storage_backends["LocalCPUBackend"]
+    hold = []
+    while (obj := cpu.allocate(e.meta.get_shapes(CH), e.meta.get_dtypes(), busy_loop=False)) is not None:
+        hold.append(obj)
+    assert hold, "the arena holds no chunk at all"
+    got = []
+    t = threading.Thread(target=lambda: got.append(e.plugin.get_blocking(k)))
+    t.start()
+    t.join(60)  # a guard against the old hang, not a synchronization
+    assert not t.is_alive(), "get_blocking waited for CPU memory"
+    assert got == [None]
+    assert e.plugin.stats()["gets_no_memory"] == 1
+    # a batch of more chunks than the arena holds, with one slot free: one hit, the rest None
+    hold.pop().ref_count_down()
+    objs = e.plugin.batched_get_blocking([k] * 3)
+    assert [o is not None for o in objs] == [True, False, False]
+    assert torch.equal(as_bytes(objs[0]), seeded(5))
+    objs[0].ref_count_down()
+    for o in hold:
+        o.ref_count_down()
+    check_exact(e, [k], [5])
+    assert e.plugin.stats()["gets_no_memory"] == 3

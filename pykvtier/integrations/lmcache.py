@@ -672,7 +672,9 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
 
     def get_blocking(self, key: Any) -> Any:
         """``key``'s chunk as a memory object from ``local_cpu_backend`` (the caller owns one
-        reference), or None (absent, failed verification, or no CPU memory). As LMCache's
+        reference), or None (absent, failed verification, or no CPU memory now: LocalCPUBackend
+        full of objects it cannot evict; the get never waits for memory, so a batch larger
+        than the CPU tier cannot wait on memory it holds itself). As LMCache's
         ``StorageBackendInterface.get_blocking``. Waits for the disk, not holding the lock."""
         return self.batched_get_blocking([key])[0]
 
@@ -705,7 +707,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                 n["gets_missed"] += 1
                 continue
             fmt = self._staging_format if is_packed else self.full
-            obj = fmt.allocate(self.local_cpu_backend)
+            obj = fmt.allocate(self.local_cpu_backend, busy_loop=False)
             if obj is None or self._slot(obj) is None:
                 if obj is not None:
                     obj.ref_count_down()
@@ -727,18 +729,18 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             if is_packed:
                 obj = self._unpack(obj, n)
                 if obj is None:
-                    n["gets_failed"] += 1
-                    continue
+                    continue  # (counted by _unpack)
             out[i] = obj
             n["gets_hit"] += 1
 
     def _unpack(self, staged: Any, n: dict[str, int]) -> Any:
-        """The object a packed block holds (staged: the block, loaded), staged released."""
+        """The object a packed block holds (staged: the block, loaded), staged released; None
+        counted in ``n`` (``gets_no_memory`` or ``gets_failed``)."""
         base = int(staged.data_ptr)
         try:
             tail = ctypes.string_at(base + self.block_bytes - _RECORD_MAX, _RECORD_MAX)
             fmt = _Format.from_record(tail, self.block_bytes)
-            obj = fmt.allocate(self.local_cpu_backend)
+            obj = fmt.allocate(self.local_cpu_backend, busy_loop=False)
             if obj is None:
                 n["gets_no_memory"] += 1
                 return None
@@ -751,6 +753,7 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             logger.warning("pykvtier: a packed LMCache chunk's record is unreadable (%s); "
                            "treated as missing", exc)
+            n["gets_failed"] += 1
             return None
         finally:
             staged.ref_count_down()
