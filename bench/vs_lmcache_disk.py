@@ -202,7 +202,7 @@ def build_engine(name: str, geo: Geometry, tier_dir: str, eid: str, args):
                  "storage_plugin.pykvtier.class_name": "PyKVTierStoragePlugin",
                  "storage_plugin.pykvtier.root_dir": tier_dir,
                  "storage_plugin.pykvtier.capacity_bytes": args.capacity_bytes}
-        for opt in ("queue_depth", "engine", "verify"):
+        for opt in ("queue_depth", "max_inflight_bytes", "engine", "verify"):
             if getattr(args, opt) is not None:
                 extra[f"storage_plugin.pykvtier.{opt}"] = getattr(args, opt)
         config = LMCacheEngineConfig.from_defaults(**common, storage_plugins=["pykvtier"],
@@ -639,6 +639,8 @@ def main(argv=None) -> None:
                    help="pykvtier's queue_depth (default: the plug-in's)")
     p.add_argument("--engine", default=None, choices=("auto", "uring", "posix"),
                    help="pykvtier's engine (default: the plug-in's, auto)")
+    p.add_argument("--max-inflight-bytes", type=parse_size, default=None,
+                   help="pykvtier's max_inflight_bytes per root (default: the plug-in's, 256 MiB)")
     p.add_argument("--verify", default=None, choices=("payload", "header"),
                    help="pykvtier's verify (default: the plug-in's, payload: header and payload "
                         "checksum; header: header, key digest and length only)")
