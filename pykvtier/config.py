@@ -213,6 +213,12 @@ def _table_classes() -> dict[str, type]:
         pass
     else:
         out["PyKVTierLMCacheConfig"] = PyKVTierLMCacheConfig
+    try:
+        from .integrations.lmcache_l2 import PyKVTierL2Options
+    except ImportError:  # LMCache not installed: its table stays
+        pass
+    else:
+        out["PyKVTierL2Options"] = PyKVTierL2Options
     return out
 
 

@@ -105,6 +105,8 @@ class PyKVTierL2Options(AdapterOptions):
     shared: bool = opt(
         False, "the roots are shared with other LMCache servers: blocks the index does not know "
                "are probed (lookups then complete on a worker thread)")
+    fsync: bool = opt(False, "durable stores: each block file fdatasync'ed, each directory "
+                             "fsync'ed once per batch, before the store task completes")
 
 
 class PyKVTierL2AdapterConfig(L2AdapterConfigBase):
