@@ -139,7 +139,7 @@ _FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between a
 _NO_FS_FIGURES = 1 << 62  # free bytes assumed where the file system reports no sizes
 _LEFTOVER_RETRY_S = 1.0  # removal of leftover files retried at most this often
 _WARN_INTERVAL_S = 5.0  # per-key failures: one aggregated WARNING line at most this often
-_now = time.monotonic  # the clock of the three above
+_now = time.monotonic  # the clock of the three above and of probe_ttl_s (tests replace it)
 _open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # this process's tiers not shut down
 
 
@@ -551,6 +551,11 @@ class DiskTier:
         except FileNotFoundError:
             return False
 
+    @property
+    def arena(self) -> Arena | None:
+        """The host arena :meth:`set_arena` set (None before)."""
+        return self._arena
+
     def set_arena(self, buffer: Any, slot_bytes: int | None = None, *, spanning: bool = False) -> Arena:
         """Sets the host arena that jobs' ``slot_ids`` index, and registers it as io_uring fixed
         buffers. ``buffer``: numpy array, buffer-protocol object or CPU torch tensor, writable,
@@ -749,7 +754,7 @@ class DiskTier:
                 r = self._probe.take(first + i)
                 if r is None:
                     return LookupResult.RETRY
-                self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, time.monotonic())
+                self._apply_probe(digest, r.size_bytes, r.error, r.mode, r.nlink, _now())
                 if digest in self._bindex:  # it was not before: the probe found the block
                     return LookupResult.HIT
                 # not found: a MISS for probe_ttl_s (0: expired already, probed again)
@@ -758,7 +763,7 @@ class DiskTier:
             return LookupResult.RETRY
         expiry = self._probe_misses.get(digest)
         if expiry is not None:
-            if time.monotonic() < expiry:
+            if _now() < expiry:
                 return LookupResult.MISS
             del self._probe_misses[digest]
         self._probe_wanted[digest] = len(self._probe_wanted)
@@ -808,7 +813,7 @@ class DiskTier:
         if results is None:
             c = self._probe.poll_columns(max_results)
             results = zip(c.tokens, c.sizes, c.errors, c.modes, c.nlinks)
-        now = time.monotonic()
+        now = _now()
         apply = self._apply_probe
         for digest, size, err, mode, nlink in results:
             apply(digest, size, err, mode, nlink, now)

@@ -139,7 +139,7 @@ def test_unusable_roots_name_the_root(root):
     f = os.path.join(root, "afile")
     open(f, "w").close()
     good = os.path.join(root, "good")
-    with pytest.raises(ValueError, match=r"root '.*afile': cannot create the backend's "
+    with pytest.raises(ValueError, match=r"root '.*afile': cannot create the pykvtier-sglang "
                                          r"directory .*Not a directory"):
         build(host, [good, f])
     # the first root, opened before the second failed, was let go: usable at once

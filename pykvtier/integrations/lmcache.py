@@ -52,7 +52,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import struct
 import threading
@@ -64,11 +63,9 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .. import __version__
 from ..config import DiskTierConfig
-from ..layout import RootLockedError, make_namespace_dir
-from ..tier import DiskTier, LookupResult
-from .options import AdapterOptions, opt
+from ..tier import LookupResult
+from .options import AdapterOptions, check_root, open_namespace_tiers, opt
 from .shards import Shards
 
 __all__ = ["PyKVTierLMCacheConfig", "PyKVTierStoragePlugin"]
@@ -196,19 +193,6 @@ def _key_bytes(key: Any) -> bytes:
     return s.encode()
 
 
-def _check_root(root: str) -> None:
-    """ValueError naming ``root`` when it (or, missing, the directory it would be made in) is
-    not a writable directory."""
-    p = os.path.abspath(root)
-    while not os.path.lexists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ValueError(f"PyKVTierStoragePlugin: root {root!r}: {p} is not a directory")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"PyKVTierStoragePlugin: root {root!r}: {p} is not writable (read-only "
-                         "file system or permissions): root_dir must be a writable directory")
-
-
 def _format_of(obj: Any, i: int) -> _Format:
     """The format of ``objs[i]`` of a put; TypeError when it is not an LMCache MemoryObj."""
     if not isinstance(obj, MemoryObj):
@@ -313,38 +297,11 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             raise ValueError(f"PyKVTierStoragePlugin: {exc}{split}; a block is one LMCache chunk "
                              f"of {nbytes} bytes (chunk_size={self.config.chunk_size})") from exc
         for root in cfg.root_dir:  # every root checked before any is touched
-            _check_root(root)
+            check_root("PyKVTierStoragePlugin", root)
         name, run = self._namespace()
-        tiers: list[DiskTier] = []
-        self.namespace_dirs: list[str] = []
-        try:
-            for root in cfg.root_dir:
-                parent = os.path.join(root, "pykvtier-lmcache")
-                ns = os.path.join(parent, name)
-                try:
-                    make_namespace_dir(parent, ns, cfg.mode, {"format": "pykvtier-lmcache",
-                                                              "pykvtier_version": __version__, **run})
-                except OSError as exc:
-                    raise ValueError(f"root {root!r}: cannot create the plug-in's directory "
-                                     f"({exc.filename}: {exc.strerror})") from exc
-                try:
-                    tier = DiskTier(ns, self.block_bytes, **opts)
-                except RootLockedError as exc:
-                    raise ValueError(
-                        f"root {root!r} is in use by pid "
-                        f"{', '.join(map(str, exc.holders)) or 'unknown'}: its directory for this "
-                        f"model and rank ({ns}) is locked. Give each LMCache instance its own "
-                        "root_dir, or set shared: true on every instance sharing it on "
-                        "purpose") from exc
-                except ValueError as exc:
-                    raise ValueError(f"root {root!r}{split}: {exc}") from exc
-                tiers.append(tier)
-                self.namespace_dirs.append(ns)
-                tier.set_arena(arena, spanning=True)  # registered once: fixed buffers
-        except BaseException:
-            for t in tiers:
-                t.shutdown()
-            raise
+        tiers, self.namespace_dirs = open_namespace_tiers(
+            "PyKVTierStoragePlugin", cfg.root_dir, "pykvtier-lmcache", name, run, self.block_bytes,
+            opts, arena, spanning=True, split=split, instance="LMCache instance")
         self._arena_addr, self._arena_end = int(arena.data_ptr()), int(arena.data_ptr()) + arena.numel()
         self._shards = Shards(tiers, f"lmcache-{self.name}")
         # LMCache's StorageManager.close() closes LocalCPUBackend, which frees the arena, before

@@ -72,11 +72,10 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .. import __version__
 from ..config import DiskTierConfig
-from ..layout import RootLockedError, key_digest, make_namespace_dir
+from ..layout import key_digest
 from ..tier import DiskTier, LookupResult
-from .options import AdapterOptions, opt
+from .options import AdapterOptions, check_root, open_namespace_tiers, opt
 from .shards import Shards
 
 __all__ = ["PyKVTierL2Adapter", "PyKVTierL2AdapterConfig", "PyKVTierL2Options",
@@ -158,19 +157,6 @@ def namespace_name(model: str, object_bytes: int) -> str:
                                    sort_keys=True).encode(), digest_size=8).hexdigest()
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-")[:80]
     return f"{safe or 'model'}_{h}"
-
-
-def _check_root(root: str) -> None:
-    """ValueError naming ``root`` when it (or, missing, the directory it would be made in) is
-    not a writable directory."""
-    p = os.path.abspath(root)
-    while not os.path.lexists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ValueError(f"{_WHO}: root {root!r}: {p} is not a directory")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"{_WHO}: root {root!r}: {p} is not writable: root_dir must be a "
-                         "writable directory")
 
 
 class _Namespace:
@@ -298,7 +284,7 @@ class PyKVTierL2Adapter(L2AdapterInterface):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{_WHO}: {exc}") from exc
         for root in opts.root_dir:
-            _check_root(root)
+            check_root(_WHO, root)
         found: set[tuple[str, int]] = set()
         for root in opts.root_dir:
             found.update(self._scan(os.path.join(root, _DIR)))
@@ -346,36 +332,10 @@ class PyKVTierL2Adapter(L2AdapterInterface):
             return have
         name = namespace_name(model, object_bytes)
         block = -(-object_bytes // _ALIGN) * _ALIGN
-        cfg = {"format": _FORMAT, "pykvtier_version": __version__, "model_name": model,
-               "object_bytes": object_bytes, "block_bytes": block}
-        tiers: list[DiskTier] = []
-        dirs: list[str] = []
-        try:
-            for root in self.options.root_dir:
-                parent = os.path.join(root, _DIR)
-                ns = os.path.join(parent, name)
-                try:
-                    make_namespace_dir(parent, ns, self.options.mode, cfg)
-                except OSError as exc:
-                    raise ValueError(f"{_WHO}: root {root!r}: cannot create {ns} "
-                                     f"({exc.strerror})") from exc
-                try:
-                    tier = DiskTier(ns, block, **self._tier_opts)
-                except RootLockedError as exc:
-                    raise ValueError(
-                        f"{_WHO}: {ns} is in use by pid "
-                        f"{', '.join(map(str, exc.holders)) or 'unknown'}: give each LMCache "
-                        "server its own root_dir, or set shared: true on every server sharing "
-                        "it on purpose") from exc
-                except ValueError as exc:
-                    raise ValueError(f"{_WHO}: root {root!r}: {exc}") from exc
-                tiers.append(tier)
-                dirs.append(ns)
-                tier.set_arena(self._arena, spanning=True)
-        except BaseException:
-            for t in tiers:
-                t.shutdown()
-            raise
+        meta = {"model_name": model, "object_bytes": object_bytes, "block_bytes": block}
+        tiers, dirs = open_namespace_tiers(_WHO, self.options.root_dir, _DIR, name, meta, block,
+                                           self._tier_opts, self._arena, spanning=True,
+                                           instance="LMCache server")
         short = re.sub(r"[^A-Za-z0-9]+", "-", model)[-24:]
         space = _Namespace(model, object_bytes, Shards(tiers, f"lmcache-l2-{short}"), dirs)
         self._namespaces[ns_key] = space

@@ -13,10 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .. import __version__
 from ..config import check_verify
-from ..layout import check_file_mode
+from ..layout import RootLockedError, check_file_mode, make_namespace_dir
+from ..tier import DiskTier
 
-__all__ = ["AdapterOptions", "opt"]
+__all__ = ["AdapterOptions", "check_root", "open_namespace_tiers", "opt"]
 
 
 def opt(default: Any, doc: str, default_text: str | None = None) -> Any:
@@ -42,6 +44,64 @@ def roots_of(who: str, root_dir: Any) -> list[str]:
     if len({os.path.realpath(r) for r in roots}) != len(roots):
         raise ValueError(f"{who}: root_dir lists a directory twice: {roots}")
     return roots
+
+
+def check_root(who: str, root: str) -> None:
+    """ValueError (prefixed ``who``) naming ``root`` when it (or, missing, the directory it
+    would be made in) is not a writable directory; touches nothing."""
+    p = os.path.abspath(root)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ValueError(f"{who}: root {root!r}: {p} is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{who}: root {root!r}: {p} is not writable (read-only file system or "
+                         "permissions): root_dir must be a writable directory")
+
+
+def open_namespace_tiers(who: str, roots: list[str], kind: str, name: str, meta: dict[str, Any],
+                         block_bytes: int, tier_options: dict[str, Any], arena: Any, *,
+                         spanning: bool = False, split: str = "",
+                         instance: str = "instance") -> tuple[list[DiskTier], list[str]]:
+    """One DiskTier per root, in the namespace directory ``ROOT/<kind>/<name>`` (made by
+    ``make_namespace_dir``, ``config.json`` = ``{"format": kind, "pykvtier_version", **meta}``),
+    each given ``arena`` (registered once: fixed buffers; ``spanning`` as
+    ``DiskTier.set_arena``). Returns (tiers, namespace directories), in root order. ValueError
+    prefixed ``who`` naming the root: its directory cannot be made, it is locked by another
+    tier (the holders' pids, and what to do: ``instance`` names what should get its own root),
+    or the tier refuses it (its message, with ``split`` after the root); the tiers already opened
+    are shut down then."""
+    mode = tier_options["mode"]
+    tiers: list[DiskTier] = []
+    dirs: list[str] = []
+    try:
+        for root in roots:
+            parent = os.path.join(root, kind)
+            ns = os.path.join(parent, name)
+            try:
+                make_namespace_dir(parent, ns, mode, {"format": kind,
+                                                      "pykvtier_version": __version__, **meta})
+            except OSError as exc:
+                raise ValueError(f"{who}: root {root!r}: cannot create the {kind} directory "
+                                 f"({exc.filename}: {exc.strerror})") from exc
+            try:
+                tier = DiskTier(ns, block_bytes, **tier_options)
+            except RootLockedError as exc:
+                raise ValueError(
+                    f"{who}: root {root!r} is in use by pid "
+                    f"{', '.join(map(str, exc.holders)) or 'unknown'}: its directory {ns} is "
+                    f"locked. Give each {instance} its own root_dir, or set shared: true on "
+                    "every instance that shares it on purpose") from exc
+            except ValueError as exc:
+                raise ValueError(f"{who}: root {root!r}{split}: {exc}") from exc
+            tiers.append(tier)
+            dirs.append(ns)
+            tier.set_arena(arena, spanning=spanning)
+    except BaseException:
+        for t in tiers:
+            t.shutdown()
+        raise
+    return tiers, dirs
 
 
 @dataclass(frozen=True)

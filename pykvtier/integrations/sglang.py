@@ -65,12 +65,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from .. import __version__, _native
+from .. import _native
 from ..buffers import host_arena
 from ..config import DiskTierConfig
-from ..layout import RootLockedError, make_namespace_dir
 from ..tier import DiskTier, LookupResult
-from .options import AdapterOptions, opt
+from .options import AdapterOptions, open_namespace_tiers, opt
 from .shards import Shards
 
 __all__ = ["PyKVTierHiCache", "PyKVTierHiCacheConfig"]
@@ -317,35 +316,10 @@ class PyKVTierHiCache(HiCacheStorage):
             arena = staging
             self._staging = torch.from_numpy(staging)
             self._free_staging = list(range(slots))
-        tiers: list[DiskTier] = []
-        try:
-            for root in cfg.root_dir:
-                ns = os.path.join(root, "pykvtier-sglang", name)
-                try:
-                    make_namespace_dir(os.path.join(root, "pykvtier-sglang"), ns, cfg.mode,
-                                       {"format": "pykvtier-sglang",
-                                        "pykvtier_version": __version__, **run})
-                except OSError as exc:
-                    raise ValueError(f"PyKVTierHiCache: root {root!r}: cannot create the "
-                                     f"backend's directory ({exc.filename}: {exc.strerror})") from exc
-                try:
-                    tier = DiskTier(ns, geo.block_bytes, **opts)
-                except RootLockedError as exc:
-                    raise ValueError(
-                        f"PyKVTierHiCache: root {root!r} is in use by pid "
-                        f"{', '.join(map(str, exc.holders)) or 'unknown'}: its directory for "
-                        f"this model and rank ({ns}) is locked. Give each SGLang instance its "
-                        "own root_dir, or set shared: true on every instance that shares it "
-                        "on purpose") from exc
-                except ValueError as exc:
-                    raise ValueError(f"PyKVTierHiCache: root {root!r}{split}: {exc}") from exc
-                tiers.append(tier)
-                self.namespace_dirs.append(ns)
-                arena_slots = tier.set_arena(arena).num_slots  # registered once: fixed buffers
-        except BaseException:
-            for t in tiers:
-                t.shutdown()
-            raise
+        tiers, self.namespace_dirs = open_namespace_tiers(
+            "PyKVTierHiCache", cfg.root_dir, "pykvtier-sglang", name, run, geo.block_bytes, opts,
+            arena, split=split, instance="SGLang instance")
+        arena_slots = tiers[0].arena.num_slots
         self._tier_options, self._arena = opts, arena
         # Several roots share the pool: its slots are claimed across them (Shards.claims).
         claims = _native.SlotClaims(arena_slots) if len(tiers) > 1 else None
