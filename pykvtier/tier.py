@@ -1364,7 +1364,10 @@ class DiskTier:
     def _load_failed(self, digest: bytes, res: int) -> None:
         """A load failed: the key is a MISS from now on; a corrupt file is quarantined. On a
         shared root a file that is gone (ENOENT) is forgotten instead, not marked failed: another
-        process or node removed it, and a lookup probes the root again (it may be stored again)."""
+        process or node removed it; the key is a MISS for probe_ttl_s, as after a probe's "not
+        found", then a lookup probes the root again (it may be stored again). Not probed at
+        once: a node's file system client may still stat the removed file from its attribute
+        cache (JuiceFS 1 s, NFS more), and each such probe was a HIT whose load failed again."""
         path = self.layout.block_path(digest)
         if res == -errno.ENOENT and self.shared:
             self._warn("loads failed", _describe(res), path)
@@ -1373,6 +1376,7 @@ class DiskTier:
                 self._bindex.forget_removed(digest)
                 if self._removed is not None:
                     self._removed.append(digest)
+            self._probe_misses[digest] = _now() + self.probe_ttl_s
             return
         if self._bindex.mark_failed(digest) and self._removed is not None:
             self._removed.append(digest)

@@ -17,6 +17,16 @@ Fixtures
     ``(num_slots, slot_bytes)``, zero-filled (``DiskTier.set_arena`` infers ``slot_bytes``).
     ``make_tier``: ``make_tier(root, **kw)`` -> a DiskTier (``block_size_bytes`` defaults to the
     test module's ``BS``), shut down at the end of the test.
+
+Shared file system (tests marked ``sharedfs``)
+    ``sharedfs``: ``(A, B)``, the two mount points of one JuiceFS volume (two nodes) that
+    ``scripts/sharedfs.sh up DIR`` brought up: from ``PYKVTIER_SHAREDFS="A:B"`` (.ci/run sets
+    it), else DIR=/tmp/pykvtier-sharedfs when both of its mounts are up. Neither: the test is
+    skipped, saying why (``PYKVTIER_SHAREDFS_UNAVAILABLE``: the reason .ci/run got from the
+    script, e.g. no FUSE here). A variable naming something that is not a fuse.juicefs mount
+    fails the test (a broken set-up, not a missing one).
+    ``shared_roots``: ``(root via A, root via B)``: one fresh directory of the volume, seen
+    through each mount; removed after the test.
 """
 
 from __future__ import annotations
@@ -32,6 +42,10 @@ import pytest
 from pykvtier import DiskTier, _native
 
 ENV_ROOT = "PYKVTIER_TEST_ROOT"
+ENV_SHAREDFS = "PYKVTIER_SHAREDFS"
+ENV_SHAREDFS_UNAVAILABLE = "PYKVTIER_SHAREDFS_UNAVAILABLE"
+SHAREDFS_DEFAULT_DIR = "/tmp/pykvtier-sharedfs"
+FUSE_SUPER_MAGIC = 0x65735546
 
 
 def page_aligned(nbytes: int, align: int = 4096, fill: int | None = None) -> np.ndarray:
@@ -130,6 +144,71 @@ def make_tier(request: pytest.FixtureRequest) -> Iterator[Callable[..., DiskTier
     yield make
     for t in made:
         t.shutdown()
+
+
+def mount_fstype(path: str) -> str | None:
+    """The file system type /proc/self/mountinfo gives the mount whose mount point is ``path``
+    (e.g. "fuse.juicefs"), None when ``path`` is no mount point."""
+    path = os.path.realpath(path)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if left.split()[4].encode().decode("unicode_escape") == path:
+                found = right.split()[0]  # the last mount there is the one in effect
+    return found
+
+
+def _juicefs_mount_problem(path: str) -> str | None:
+    """Why ``path`` is not a live JuiceFS mount, or None when it is."""
+    fstype = mount_fstype(path)
+    if fstype != "fuse.juicefs":
+        return f"{path} is not a JuiceFS mount point (mount type {fstype!r})"
+    try:
+        os.statvfs(path)  # a dead client: ENOTCONN
+    except OSError as exc:
+        return f"{path} is a JuiceFS mount that does not answer ({exc.strerror})"
+    return None
+
+
+@pytest.fixture(scope="session")
+def sharedfs() -> tuple[str, str]:
+    """(A, B): the two mount points of one JuiceFS volume (see the module's doc)."""
+    env = os.environ.get(ENV_SHAREDFS)
+    if env:
+        mounts = env.split(":")
+        if len(mounts) != 2 or not all(mounts):
+            pytest.fail(f"{ENV_SHAREDFS}={env!r}: expected two mount points, \"A:B\"")
+        problems = [p for p in map(_juicefs_mount_problem, mounts) if p]
+        if problems:
+            pytest.fail(f"{ENV_SHAREDFS}={env!r}: " + "; ".join(problems))
+        return mounts[0], mounts[1]
+    default = (os.path.join(SHAREDFS_DEFAULT_DIR, "a"), os.path.join(SHAREDFS_DEFAULT_DIR, "b"))
+    if not any(map(_juicefs_mount_problem, default)):
+        return default
+    why = os.environ.get(ENV_SHAREDFS_UNAVAILABLE)
+    if why:
+        pytest.skip(f"no shared file system: scripts/sharedfs.sh up failed here: {why}")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no shared file system: /dev/fuse is missing (no FUSE here), and "
+                    f"{ENV_SHAREDFS} is unset")
+    pytest.skip(f"no shared file system: {ENV_SHAREDFS} is unset and "
+                f"{SHAREDFS_DEFAULT_DIR} is not up; run `bash scripts/sharedfs.sh up "
+                f"{SHAREDFS_DEFAULT_DIR}` (JuiceFS mounted twice through FUSE)")
+
+
+@pytest.fixture
+def shared_roots(sharedfs: tuple[str, str], request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(the root through mount A, the same root through mount B): a fresh directory of the
+    volume, removed (through A) after the test."""
+    a, b = sharedfs
+    name = "".join(c if c.isalnum() else "_" for c in request.node.name)[:60]
+    root_a = tempfile.mkdtemp(prefix=f"{name}-", dir=a)
+    root_b = os.path.join(b, os.path.basename(root_a))
+    try:
+        yield root_a, root_b
+    finally:
+        shutil.rmtree(root_a, ignore_errors=True)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

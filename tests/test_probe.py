@@ -620,6 +620,7 @@ def test_builder_releases_the_gil_in_the_batch_calls(tmp_path):
 
 from pykvtier import DiskTier, LookupResult, TransferJob  # noqa: E402
 from pykvtier.layout import HEADER_BYTES, key_digest  # noqa: E402
+import pykvtier.tier as tier_mod  # noqa: E402
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 HIT_PENDING = LookupResult.HIT_PENDING
@@ -682,10 +683,14 @@ def test_block_file_with_two_links_is_a_miss(shared_pair):
     assert reader.stats()["probe_hits"] == 0 and reader.num_blocks == 0
 
 
-def test_shared_block_removed_elsewhere_is_probed_again(shared_pair, tmp_path):
+def test_shared_block_removed_elsewhere_is_probed_again(shared_pair, tmp_path, monkeypatch):
     """A shared tier's load of a block another process or node removed fails (ENOENT) without
-    marking the key failed: the block is forgotten, a later lookup probes the root again and
-    finds it once it is stored there again, and it loads byte-exact."""
+    marking the key failed: the block is forgotten, a MISS for probe_ttl_s (as after a probe's
+    "not found"; a node's stale attribute cache could make a probe at once a HIT whose load
+    fails again: tests/test_sharedfs.py), then a lookup probes the root again and finds it once
+    it is stored there again, and it loads byte-exact."""
+    now = [tier_mod._now()]
+    monkeypatch.setattr(tier_mod, "_now", lambda: now[0])
     writer, reader = shared_pair
     real = writer.layout.block_path(key_digest(b"real"))
     assert _probe_once(reader, [b"real"]) == [HIT]
@@ -700,6 +705,8 @@ def test_shared_block_removed_elsewhere_is_probed_again(shared_pair, tmp_path):
     assert res.success is False and res.failed_keys == {b"real": "ENOENT: No such file or directory"}
     assert reader.num_blocks == 0 and reader.used_bytes == 0
     shutil.copyfile(kept, real)  # stored there again
+    assert reader.lookup(b"real") is MISS  # not probed before probe_ttl_s
+    now[0] += reader.probe_ttl_s
     assert _probe_once(reader, [b"real"]) == [HIT]
     reader.submit_load(TransferJob(6, [b"real"], [0]))
     reader.drain()
