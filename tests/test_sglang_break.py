@@ -963,9 +963,10 @@ def test_shared_probe_wait_does_not_hold_the_backends_lock(root, backends):
     backends.append(reader)
     real_wait = reader._cv.wait
     seen = []
+    me = threading.current_thread()  # batch_exists' thread (the collectors wait on this lock too)
 
     def wait(timeout=None):
-        if seen:
+        if seen or threading.current_thread() is not me:
             return real_wait(timeout)
         done = threading.Event()
 
