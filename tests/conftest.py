@@ -146,6 +146,41 @@ def make_tier(request: pytest.FixtureRequest) -> Iterator[Callable[..., DiskTier
         t.shutdown()
 
 
+class Clock:
+    """DiskTier's clock (``pykvtier.tier._now``: probe_ttl_s, statvfs intervals), moved by the
+    test only: set ``t``, or ``tick()`` one second."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self, seconds: float = 1.0) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The tier's clock, frozen at 1000 s until the test moves it."""
+    import pykvtier.tier as tier_mod
+
+    c = Clock()
+    monkeypatch.setattr(tier_mod, "_now", c)
+    return c
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """DiskTier's clock 100 s ahead of now and frozen there; the fixture is its ``tick()``
+    (one second on)."""
+    import pykvtier.tier as tier_mod
+
+    c = Clock(tier_mod._now() + 100.0)
+    monkeypatch.setattr(tier_mod, "_now", c)
+    return c.tick
+
+
 def mount_fstype(path: str) -> str | None:
     """The file system type /proc/self/mountinfo gives the mount whose mount point is ``path``
     (e.g. "fuse.juicefs"), None when ``path`` is no mount point."""

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from pykvtier import DiskTier, LookupResult, TransferJob
-from pykvtier import tier as tier_mod
 from pykvtier.layout import HEADER_BYTES, key_digest
 
 BS = 64 << 10
@@ -31,19 +30,7 @@ FB = BS + HEADER_BYTES  # 17 pages of 4 KiB
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
 
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def clock(monkeypatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(tier_mod, "_now", c, raising=False)  # (old code: no such clock)
-    return c
 
 
 

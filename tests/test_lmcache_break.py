@@ -556,18 +556,7 @@ def small_ext4(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)])
 
 
-@pytest.fixture
-def frozen_clock(monkeypatch):
-    """DiskTier's clock (statvfs at most every 0.1 s), advanced by hand: ``tick()``."""
-    import pykvtier.tier as tier_mod
 
-    now = [tier_mod._now() + 100.0]
-    monkeypatch.setattr(tier_mod, "_now", lambda: now[0])
-
-    def tick():
-        now[0] += 1.0
-
-    return tick
 
 
 def _fill(path):

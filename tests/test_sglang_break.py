@@ -519,18 +519,7 @@ def _fill_fs(path, leave):
             pass
 
 
-@pytest.fixture
-def frozen_clock(monkeypatch):
-    """DiskTier's clock (statvfs at most every 0.1 s), advanced by hand: ``tick()``."""
-    import pykvtier.tier as tier_mod
 
-    now = [tier_mod._now() + 100.0]
-    monkeypatch.setattr(tier_mod, "_now", lambda: now[0])
-
-    def tick():
-        now[0] += 1.0
-
-    return tick
 
 
 def test_full_disk_set_fails_cleanly_then_stores_again(small_fs, frozen_clock):

@@ -14,7 +14,6 @@ with what was stored.
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
@@ -24,7 +23,6 @@ import sys
 import numpy as np
 import pytest
 
-import pykvtier.tier as tier_mod
 from pykvtier import DiskTier, LookupResult, TransferJob, _native
 from pykvtier.doctor import _size
 from pykvtier.layout import HEADER_BYTES, RootLockedError, key_digest
@@ -36,21 +34,7 @@ HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 ENOENT = "ENOENT: No such file or directory"
 
 
-class Clock:
-    """The tier's clock (probe_ttl_s), moved by the test only."""
 
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(tier_mod, "_now", c)
-    return c
 
 
 def keys_of(n: int, tag: bytes = b"k") -> list[bytes]:
