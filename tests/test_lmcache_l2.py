@@ -470,3 +470,20 @@ def test_l1_in_posix_shared_memory(tmp_path):
             a.close()
     finally:
         m.close()
+
+
+def test_a_store_of_something_not_a_memory_obj_is_a_type_error_and_no_task(l1, tmp_path):
+    """objects[i] that is no MemoryObj: TypeError naming it, and no task result recorded (the
+    caller got no task id); the next store's result is the only one."""
+    a = build(l1, tmp_path)
+    try:
+        for bad in (None, 5):
+            with pytest.raises(TypeError, match=r"^PyKVTierL2Adapter: objects\[1\] must be an "
+                                                r"LMCache MemoryObj"):
+                a.submit_store_task([key(0), key(1)], [alloc(l1, 1)[0], bad])
+        assert a.pop_completed_store_tasks() == {}
+        objs = alloc(l1, 1)
+        fill(objs, 3)
+        assert store(a, [key(2)], objs) == OBJ
+    finally:
+        a.close()

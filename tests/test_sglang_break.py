@@ -1025,3 +1025,19 @@ def test_mla_non_writer_legacy_set_and_v1_set_store_nothing(root, backends):
     assert all(r.batch_exists(k) == 0 for r in readers)
     assert writer.batch_set_v1(k, src) == [True] * 5
     assert [r.batch_exists(k) for r in readers] == [5, 5, 5]
+
+
+def test_clear_after_the_namespace_directory_was_removed_keeps_serving(root, backends):
+    """An operator removed the backend's directory behind its back: clear() reopens the tiers
+    (the directory made again) instead of raising and leaving them shut down."""
+    _, host = mha_host("page_first")
+    b = build(host, root)
+    backends.append(b)
+    fill_random(host, 3)
+    k = hkeys(2, "gone")
+    assert b.batch_set_v1(k, host.alloc(2 * P)) == [True, True]
+    shutil.rmtree(b.namespace_dirs[0])
+    b.clear()
+    assert b.batch_exists(k) == 0
+    assert b.batch_set_v1(k, host.alloc(2 * P)) == [True, True]
+    assert b.batch_exists(k) == 2

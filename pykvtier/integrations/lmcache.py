@@ -665,13 +665,14 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
                 continue
             fmt = self._staging_format if is_packed else self.full
             obj = fmt.allocate(self.local_cpu_backend, busy_loop=False)
-            if obj is None or self._slot(obj) is None:
+            slot = None if obj is None else self._slot(obj)
+            if slot is None:
                 if obj is not None:
                     obj.ref_count_down()
                 n["gets_no_memory"] += 1
                 continue
             bkeys.append(kb + _PACKED_TAG if is_packed else kb)
-            slots.append(self._slot(obj))
+            slots.append(slot)
             objs.append(obj)
             idx.append(i)
             packed.append(is_packed)

@@ -151,6 +151,16 @@ def object_key_bytes(key: Any) -> bytes:
     return (s + f"@{salt}" if salt else s).encode()
 
 
+def _size_of(obj: Any, i: int) -> int:
+    """``objects[i]``'s logical size (``MemoryObj.get_size()``); TypeError naming it when it is
+    no memory object."""
+    try:
+        return int(obj.get_size())
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"{_WHO}: objects[{i}] must be an LMCache MemoryObj, not "
+                        f"{type(obj).__name__}") from None
+
+
 def namespace_name(model: str, object_bytes: int) -> str:
     """The directory name of the namespace of ``model``'s objects of ``object_bytes`` bytes."""
     h = hashlib.blake2b(json.dumps({"model_name": model, "object_bytes": object_bytes},
@@ -409,14 +419,15 @@ class PyKVTierL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{_WHO}: {len(keys)} keys but {len(objects)} memory objects")
         bks = [object_key_bytes(k) for k in keys]
+        sizes = [_size_of(o, i) for i, o in enumerate(objects)]  # (before a task id is taken)
         tid = self._begin()
         task = _Task(tid)
         try:
             parts: dict[int, tuple[_Namespace, list[bytes], list[int], list[Any]]] = {}
             refused = 0
-            for key, bk, obj in zip(keys, bks, objects):
+            for key, bk, obj, nbytes in zip(keys, bks, objects, sizes):
                 try:
-                    space = self._namespace_for_store(key.model_name, int(obj.get_size()))
+                    space = self._namespace_for_store(key.model_name, nbytes)
                 except ValueError as exc:
                     logger.warning("pykvtier: LMCache L2 store of %s refused: %s", key, exc)
                     refused += 1

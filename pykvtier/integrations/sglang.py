@@ -655,7 +655,11 @@ class PyKVTierHiCache(HiCacheStorage):
                 return
             for i, t in enumerate(sh.tiers):
                 t.shutdown()
-                for entry in os.scandir(t.layout.blocks_dir):
+                try:
+                    entries = list(os.scandir(t.layout.blocks_dir))
+                except FileNotFoundError:  # removed behind our back: nothing to clear
+                    entries = []
+                for entry in entries:
                     if entry.is_dir(follow_symlinks=False):
                         shutil.rmtree(entry.path, ignore_errors=True)
                     else:
