@@ -193,7 +193,7 @@ def test_store_lookup_load_zero_copy(l1, tmp_path):
         u = a.get_usage()
         assert (u.total_bytes_used, u.total_capacity_bytes, dict(u.bytes_by_cache_salt)) == (
             6 * OBJ, 0, {"": 6 * OBJ})
-        assert os.listdir(tmp_path / "pykvtier-lmcache-l2") == [
+        assert [n for n in os.listdir(tmp_path / "pykvtier-lmcache-l2") if n != ".pykvtier.lock"] == [
             os.path.basename(a._namespaces[(MODEL, OBJ)].dirs[0])]
     finally:
         a.close()
@@ -487,3 +487,28 @@ def test_a_store_of_something_not_a_memory_obj_is_a_type_error_and_no_task(l1, t
         assert store(a, [key(2)], objs) == OBJ
     finally:
         a.close()
+
+
+def test_a_second_unshared_adapter_on_a_root_is_refused_at_construction(l1, tmp_path):
+    """Even on an empty root (no namespace yet), a second adapter without shared is refused
+    by name when it is built, not at its first store; shared ones share; close lets go."""
+    a = build(l1, tmp_path)
+    try:
+        with pytest.raises(ValueError, match=r"^PyKVTierL2Adapter: root '.*' is in use by pid "
+                                             rf"{os.getpid()}: .*pykvtier-lmcache-l2 is locked"):
+            build(l1, tmp_path)
+        with pytest.raises(ValueError, match="is in use by pid"):
+            build(l1, tmp_path, shared=True)
+    finally:
+        a.close()
+    b = build(l1, tmp_path)  # released by close()
+    b.close()
+    s1, s2 = (build(l1, tmp_path, shared=True, probe_ttl_s=0) for _ in range(2))
+    try:
+        objs = alloc(l1, 1)
+        fill(objs, 4)
+        assert store(s1, [key(0)], objs) == OBJ
+        assert lookup(s2, [key(0)]) == [0]
+    finally:
+        s1.close()
+        s2.close()

@@ -73,7 +73,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from ..config import DiskTierConfig
-from ..layout import key_digest
+from ..layout import RootLockedError, dir_mode_of, key_digest, lock_root
 from ..tier import DiskTier, LookupResult
 from .options import AdapterOptions, check_root, open_namespace_tiers, opt
 from .shards import Shards
@@ -260,6 +260,7 @@ class PyKVTierL2Adapter(L2AdapterInterface):
             ("stores_zero_copy", "stores_skipped_present", "stores_failed", "stores_refused",
              "lookups_hit", "lookups_missed", "loads_hit", "loads_failed", "loads_refused",
              "deletes"), 0)
+        self._root_locks: list[Any] = []  # layout.RootLock of each root's adapter directory
         self._start(l1_memory_desc)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -295,6 +296,24 @@ class PyKVTierL2Adapter(L2AdapterInterface):
             raise ValueError(f"{_WHO}: {exc}") from exc
         for root in opts.root_dir:
             check_root(_WHO, root)
+        # The roots' adapter directories are held from start (their namespaces are opened
+        # lazily, each locked by its tiers): a second unshared adapter is refused here, not at
+        # its first store.
+        for root in opts.root_dir:
+            parent = os.path.join(root, _DIR)
+            try:
+                os.makedirs(parent, mode=dir_mode_of(opts.mode), exist_ok=True)
+                self._root_locks.append(lock_root(parent, opts.shared, file_mode=opts.mode))
+            except RootLockedError as exc:
+                self._release_roots()
+                raise ValueError(
+                    f"{_WHO}: root {root!r} is in use by pid "
+                    f"{', '.join(map(str, exc.holders)) or 'unknown'}: {parent} is locked. Give "
+                    "each LMCache server its own root_dir, or set shared: true on every "
+                    "instance that shares it on purpose") from exc
+            except (OSError, ValueError) as exc:
+                self._release_roots()
+                raise ValueError(f"{_WHO}: root {root!r}: {exc}") from exc
         found: set[tuple[str, int]] = set()
         for root in opts.root_dir:
             found.update(self._scan(os.path.join(root, _DIR)))
@@ -303,6 +322,7 @@ class PyKVTierL2Adapter(L2AdapterInterface):
                 self._open(model, nbytes)
         except BaseException:
             self._shutdown_namespaces()
+            self._release_roots()
             raise
         logger.info("pykvtier: LMCache L2 adapter on %s: %d namespace(s) found, L1 arena of %d "
                     "bytes", ", ".join(opts.root_dir), len(found), size)
@@ -316,6 +336,8 @@ class PyKVTierL2Adapter(L2AdapterInterface):
         except FileNotFoundError:
             return out
         for name in names:
+            if name.startswith("."):  # (the adapter directory's lock file)
+                continue
             try:
                 with open(os.path.join(parent, name, "config.json")) as f:
                     cfg = json.load(f)
@@ -781,8 +803,14 @@ class PyKVTierL2Adapter(L2AdapterInterface):
         for space in list(self._namespaces.values()):
             space.shards.drain()
         self._shutdown_namespaces()
+        self._release_roots()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()
+
+    def _release_roots(self) -> None:
+        for lock in self._root_locks:
+            lock.release()
+        self._root_locks.clear()
 
     def _shutdown_namespaces(self) -> None:
         for space in list(self._namespaces.values()):
