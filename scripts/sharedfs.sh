@@ -227,12 +227,15 @@ unmount_node() {
   wait_for 10 "$mp" bash -c "! mountpoint -q '$mp'" || fail "$mp is still mounted 10 s after umount"
 }
 
+# Sets REDIS_DONE to what it did (for down's last line).
 stop_redis() {
+  REDIS_DONE="no redis-server was running on 127.0.0.1:$PORT"
   redis_up || return 0
   if ! redis_is_ours; then
-    say "127.0.0.1:$PORT is another redis-server (not $DIR's): left running"
+    REDIS_DONE="127.0.0.1:$PORT is another redis-server (not $DIR's): left running"
     return 0
   fi
+  REDIS_DONE="redis-server on 127.0.0.1:$PORT stopped"
   local pid
   pid=$(cat "$DIR/redis/redis.pid" 2>/dev/null || true)
   redis_cli shutdown >/dev/null 2>&1 || true  # (the connection closes: no reply)
@@ -257,7 +260,7 @@ up)
 down)
   for n in "${NODES[@]}"; do unmount_node "$n"; done
   stop_redis
-  say "down: $DIR/a and $DIR/b unmounted, redis-server on 127.0.0.1:$PORT stopped (the volume stays in $DIR)"
+  say "down: $DIR/a and $DIR/b unmounted, $REDIS_DONE (the volume stays in $DIR)"
   ;;
 status)
   ok=0
