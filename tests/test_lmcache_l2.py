@@ -512,3 +512,21 @@ def test_a_second_unshared_adapter_on_a_root_is_refused_at_construction(l1, tmp_
     finally:
         s1.close()
         s2.close()
+
+
+def test_a_shared_server_finds_a_model_another_server_made_after_it_started(l1, tmp_path):
+    """B (shared, default probe_ttl_s) was built before A made the model's namespace: B's first
+    lookup of that model looks for it at once instead of answering absent for probe_ttl_s."""
+    a = build(l1, tmp_path, shared=True)
+    b = build(l1, tmp_path, shared=True)
+    try:
+        objs = alloc(l1, 3)
+        data = fill(objs, 8)
+        assert store(a, [key(i) for i in range(3)], objs) == 3 * OBJ
+        assert lookup(b, [key(i) for i in range(4)]) == [0, 1, 2]
+        fresh = alloc(l1, 3)
+        assert load(b, [key(i) for i in range(3)], fresh) == [0, 1, 2]
+        assert [read(o) for o in fresh] == data
+    finally:
+        a.close()
+        b.close()

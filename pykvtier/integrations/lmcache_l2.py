@@ -32,7 +32,8 @@ How it maps onto pykvtier:
   never comes back with another length; a lookup asks every namespace of the key's model. At
   construction the namespaces already on the roots are opened (their index rebuilt from the
   files), so a restarted server finds its blocks; on ``shared`` roots, lookups also open the
-  namespaces other servers made since (looked for at most once per ``probe_ttl_s``).
+  namespaces other servers made since (looked for at once for a model it has none of, else
+  at most once per ``probe_ttl_s``: a new object size of a known model waits that long).
 - Keys: ``model@<kv_rank %08x>@<group %x>@<chunk_hash hex>[@<cache_salt>]`` as bytes.
 - Lookup-and-lock pins each block found (``DiskTier.pin``): eviction and ``delete`` never take
   it until as many ``submit_unlock`` calls. Loads verify each block (header, key digest,
@@ -567,7 +568,9 @@ class PyKVTierL2Adapter(L2AdapterInterface):
     def _lookup_on_worker(self, tid: int, keys: list[Any], bks: list[bytes]) -> None:
         try:
             try:
-                self._rescan()
+                # a model with no namespace here yet: look at once (another server may have
+                # just made it), else at most once per probe_ttl_s
+                self._rescan(force=any(k.model_name not in self._by_model for k in keys))
                 bitmap = self._lookup_lock(keys, bks, settle=True)
             except Exception:
                 logger.exception("pykvtier: LMCache L2 lookup failed; answered absent")
@@ -576,11 +579,11 @@ class PyKVTierL2Adapter(L2AdapterInterface):
         finally:
             self._end()  # (after the eventfd is signalled: close() waits for it)
 
-    def _rescan(self) -> None:
+    def _rescan(self, force: bool = False) -> None:
         """``shared`` roots: opens the namespaces other servers made since the last look (at
-        most once per ``probe_ttl_s``; on the lookup worker thread)."""
+        most once per ``probe_ttl_s`` unless ``force``; on the lookup worker thread)."""
         now = time.monotonic()
-        if now - self._scanned < self.options.probe_ttl_s:
+        if not force and now - self._scanned < self.options.probe_ttl_s:
             return
         self._scanned = now
         found: set[tuple[str, int]] = set()
