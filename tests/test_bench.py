@@ -699,3 +699,49 @@ def test_vs_lmcache_disk_runs_every_tier_and_checks_every_chunk(tmp_path):
     assert set(rows) == {("store", "pykvtier"), ("retrieve", "pykvtier")}
     assert rows[("retrieve", "pykvtier")]["io"].endswith(", verify header")
     assert rows[("retrieve", "pykvtier")]["verified_chunks"] == 8
+
+
+def test_shared_churn_counts_every_key_and_checks_every_byte(tmp_path):
+    """bench/shared_churn.py at a tiny size (2 processes sharing a root of 12 blocks of 64 KiB,
+    1.5 s): every request key is loaded or stored, every count adds up per worker, the bytes
+    verified are the loads that succeeded times the block size, no byte was wrong, the root was
+    sampled and holds no temporary once the workers are gone. The rates and the capacity verdict
+    are what the script measures: not checked."""
+    import sys
+
+    import pykvtier
+
+    bs, out_json = 64 << 10, tmp_path / "churn.json"
+    cmd = [sys.executable, os.path.join(BENCH_DIR, "shared_churn.py"), "--procs", "2",
+           "--capacity-blocks", "12", "--block-size", "64KiB", "--request-blocks", "4",
+           "--seconds", "1.5", "--dir", str(tmp_path / "d"), "--json", str(out_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("command: ") and lines[0].endswith(" ".join(cmd[1:]))
+    assert any(line.startswith("  store failure % (of stores after a MISS) ") for line in lines)
+    data = json.loads(out_json.read_text())
+    cfg, summary = data["config"], data["summary"]
+    assert (cfg["block_size"], cfg["file_bytes"], cfg["procs"]) == (bs, bs + 4096, 2)
+    assert cfg["capacity_bytes"] == 12 * (bs + 4096)
+    here = os.path.dirname(pykvtier.__file__)
+    assert data["pykvtier"] == [here]  # what the workers imported
+    assert len(data["workers"]) == 2
+    for w in data["workers"]:
+        c = w["counts"]
+        assert w["modules"]["pykvtier.tier"] == os.path.join(here, "tier.py")
+        assert c["requests"] > 0 and c["load_keys"] + c["store_keys"] > 0
+        assert c["request_keys"] == c["keys_hit"] + c["store_keys_after_miss"]
+        assert c["load_keys"] == c["keys_hit"] == c.get("load_ok", 0) + c.get("load_failed", 0)
+        assert c.get("bytes_verified", 0) == c.get("load_ok", 0) * bs
+        assert c.get("wrong_blocks", 0) == c.get("wrong_bytes", 0) == 0
+        assert sum(w["load_failures"].values()) == c.get("load_failed", 0)
+        assert c["store_keys"] == c["store_keys_after_miss"] + c["store_keys_after_load_failure"]
+        assert c["store_keys"] == c.get("store_ok", 0) + c.get("store_failed", 0)
+        assert sum(w["store_failures"].values()) == c.get("store_failed", 0)
+        assert w["stats"]["blocks_loaded"] == c.get("load_ok", 0)
+    assert summary["wrong_bytes"] == 0
+    assert summary["samples"] == len(data["samples"]) >= 1
+    assert summary["root_final_blocks"] >= 1 and summary["root_final_tmps"] == 0
+    assert summary["bytes_verified"] == sum(w["counts"].get("load_ok", 0) for w in data["workers"]) * bs
+    assert not os.listdir(tmp_path / "d")  # the root is removed (no --keep)
