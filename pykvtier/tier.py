@@ -37,6 +37,7 @@ from .layout import (
     lock_root,
 )
 from .probe import ExistenceProbe
+from .sharing import RootKeeper
 
 __all__ = ["DiskTier", "JobResult", "LookupResult", "TransferJob"]
 
@@ -129,6 +130,7 @@ class _Pending:
     submits: int = 0
     moved_bytes: int = 0
     claimed: bytes = b""  # the job's slots (all of them), claimed until it is reported
+    grant_deadline: float = 0.0  # a shared tier's store waiting for room: when it gives up
 
 
 _CORRUPT = frozenset(int(v) for v in _native.BlockError.__members__.values())  # failed checks
@@ -139,6 +141,7 @@ _FS_CHECK_S = 0.1  # statvfs of the root at most this often (stores in between a
 _NO_FS_FIGURES = 1 << 62  # free bytes assumed where the file system reports no sizes
 _LEFTOVER_RETRY_S = 1.0  # removal of leftover files retried at most this often
 _WARN_INTERVAL_S = 5.0  # per-key failures: one aggregated WARNING line at most this often
+_GRANT_WAIT_S = 10.0  # a shared tier's store waits this long at most for the evictor's grant
 _now = time.monotonic  # the clock of the three above and of probe_ttl_s (tests replace it)
 _open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()  # this process's tiers not shut down
 
@@ -149,7 +152,8 @@ _TIER_STATS = (
     "load_failures", "store_failures", "verify_failures", "quarantined", "evictions",
     "eviction_failures", "capacity_rejections", "probes", "probe_hits", "probe_results_applied",
     "stale_temporaries_removed", "direct_fallbacks", "malformed_block_files", "evictions_recycled",
-    "store_retries", "leftovers_removed", "loads_refused", "blocks_removed")
+    "store_retries", "leftovers_removed", "loads_refused", "blocks_removed",
+    "stores_waited_for_grant", "shared_evictions_applied", "loads_gone")
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(DiskTierConfig)) - {"root_dir",
@@ -243,15 +247,25 @@ class DiskTier:
             header.
         capacity_bytes: limit on block file bytes (``used_bytes``); least recently used blocks
             are evicted to make room (never one that a load is reading). None: what the file
-            system holds, less ``min_free_bytes``.
+            system holds, less ``min_free_bytes``. With ``shared=True`` the limit of the whole
+            root, all the tiers sharing it together (give them the same value): the root's
+            evictor, one of them, evicts root-wide least recently used blocks and grants each
+            tier room before it writes (:mod:`pykvtier.sharing`); a store waits for its grant
+            (up to 10 s, then the keys without room fail "no capacity") without blocking the
+            caller.
         min_free_bytes: free space kept on the root's file system (statvfs, checked at most
             every 100 ms; the tier's own stores and evictions are counted in between): a store
             that would bring it below evicts least recently used blocks first, or fails when
             none can be evicted. Applies with or without ``capacity_bytes``. None: 5 % of the
             file system's size. Whatever the reserve, a store that meets a full file system
             (ENOSPC, EDQUOT) evicts as many blocks and is written once more.
-        shared: keys the index does not know may have been written by another process: they are
-            probed (asynchronously, RETRY meanwhile) instead of answered MISS.
+        shared: keys the index does not know may have been written by another process or node:
+            they are probed (asynchronously, RETRY meanwhile) instead of answered MISS. The
+            tier is a member of the root's shared capacity (see ``capacity_bytes``): it never
+            evicts on its own; blocks another member evicted leave its index within a round of
+            its keeper thread (10 ms, plus the file system's metadata cache) and answer MISS
+            (``stats()["shared_evictions_applied"]``; a load that meets a block removed before
+            that is a MISS too, ``["loads_gone"]``). Needs ``flock`` that holds across nodes.
         direct: use O_DIRECT. None: where the file system accepts it (probed once); a buffered
             fallback is logged and counted in ``stats()["direct_fallbacks"]``.
         queue_depth: block requests in flight in the engine.
@@ -356,6 +370,11 @@ class DiskTier:
         self._host_engine = make_host_engine(cfg.engine, cfg.queue_depth, cfg.max_inflight_bytes)
         self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if cfg.shared else None
         self._init_state(cfg)
+        if cfg.shared:
+            self._keeper = RootKeeper(self.layout.root, self.layout.blocks_dir,
+                                      self.layout.block_path, Layout.digest_from_name,
+                                      self.file_bytes, cfg.capacity_bytes, self.min_free_bytes,
+                                      self.file_mode, self.dir_mode)
         self._use_engine()
         # Temporaries named with this pid belong to a live writer if another tier of this
         # process uses the root; else they are a dead process's (pid reused) and are swept.
@@ -397,6 +416,8 @@ class DiskTier:
         self._space: Any = None  # _native.BlockSpace of the arena (set_arena)
         self._claims: Any = None  # _native.SlotClaims: slots loads in flight write (set_arena)
         self._removed: list[bytes] | None = [] if cfg.track_removals else None
+        self._keeper: RootKeeper | None = None  # a shared root's capacity (pykvtier.sharing)
+        self._awaiting: list[_Pending] = []  # a shared tier's stores waiting for a grant, FIFO
         # digest -> its index in the next probe batch (first asked first), until the step's end
         self._probe_wanted: dict[bytes, int] = {}
         # probe batches in flight: (first ticket, digest -> index), digests whose result was not
@@ -468,7 +489,8 @@ class DiskTier:
         for _, digest in found:
             add(digest)
         self._used_bytes = len(found) * self.file_bytes
-        if self.capacity_bytes is not None and self._used_bytes > self.capacity_bytes:
+        if (self.capacity_bytes is not None and self._used_bytes > self.capacity_bytes
+                and self._keeper is None):  # (a shared root's evictor keeps its capacity)
             self._evict(self._used_bytes - self.capacity_bytes)
 
     def _scan_dir(self, dfd: int, sub: str, now: float, found: list[tuple[float, bytes]]) -> None:
@@ -710,7 +732,10 @@ class DiskTier:
         if self._closed:
             raise RuntimeError("DiskTier is shut down")
         codes = self._bindex.admit_loads(b"".join(ds))
-        return [True] * len(ds) if codes is None else [c == _ADMIT_OK for c in codes]
+        out = [True] * len(ds) if codes is None else [c == _ADMIT_OK for c in codes]
+        if self._keeper is not None:  # in use: the root's evictor takes older blocks first
+            self._keeper.used([d for d, ok in zip(ds, out) if ok])
+        return out
 
     def unpin(self, digests: Iterable[bytes]) -> None:
         """Releases what :meth:`pin` held (only digests it answered True for, once per True). A
@@ -779,6 +804,8 @@ class DiskTier:
             return
         if self._leftovers:
             self._retry_leftovers()
+        if self._keeper is not None:
+            self._shared_round()
         if self._probe is None:
             return
         if self._probing:
@@ -897,24 +924,83 @@ class DiskTier:
         written once more before the job is reported. ``digests``: as for :meth:`submit_load`."""
         keys, digests, slots = self._check_job(job, digests, unique_slots=False)
         self._claims.claim(job.job_id, slots, False)  # ValueError: a slot a load is filling
+        pend = _Pending(job, False, keys, keys, digests, slots, {}, claimed=slots)
+        self._stats["stores_submitted"] += 1
+        if self._keeper is not None and (self._awaiting or self._grant_needed(digests) > 0):
+            # A shared root: its new blocks wait for the evictor's grant (FIFO), applied from
+            # get_finished_jobs(), on_step_end(), wait() and drain().
+            pend.grant_deadline = _now() + _GRANT_WAIT_S
+            self._awaiting.append(pend)
+            self._job_ids.add(operator.index(job.job_id))
+            self._stats["stores_waited_for_grant"] += 1
+            self._announce_want()
+            return
+        self._admit_store(pend)
+
+    def _grant_needed(self, digests: bytes) -> int:
+        """A shared tier's store: bytes of its new blocks beyond what its grant leaves."""
+        _, codes = self._bindex.admit_stores(digests, 0)  # (max_new 0: the index is unchanged)
+        if codes is None:
+            return 0
+        new = {digests[16 * i:16 * i + 16] for i, c in enumerate(codes) if c == _ADMIT_NEEDS_ROOM}
+        return len(new) * self.file_bytes - self._keeper.room()
+
+    def _announce_want(self) -> None:
+        """Tells the root's evictor how many bytes this tier's waiting stores need."""
         fb = self.file_bytes
-        room = self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
-        if self.capacity_bytes is not None:
-            room = min(room, self.capacity_bytes - self._used_bytes)
+        need = 0
+        for pend in self._awaiting:
+            _, codes = self._bindex.admit_stores(pend.digests, 0)
+            if codes is not None:
+                need += len({pend.digests[16 * i:16 * i + 16] for i, c in enumerate(codes)
+                             if c == _ADMIT_NEEDS_ROOM}) * fb
+        self._keeper.want(need)
+
+    def _admit_waiting(self) -> None:
+        """Admits a shared tier's waiting stores, in order, once the grant covers each (or its
+        wait is over: the keys without room then fail "no capacity")."""
+        if not self._awaiting:
+            return
+        now = _now()
+        while self._awaiting:
+            pend = self._awaiting[0]
+            if now < pend.grant_deadline and self._grant_needed(pend.digests) > 0:
+                break
+            self._awaiting.pop(0)
+            try:
+                self._admit_store(pend)
+            except Exception as exc:  # the engine refused the entries: the job fails, reported
+                logger.error("pykvtier: a store waiting for room could not be submitted: %s", exc)
+                pend.done.update((k, f"submit failed: {exc}") for k in pend.job_keys)
+                pend.claimed = b""  # (released by _unadmit)
+                self._ready.append(self._result(pend))
+        self._announce_want()
+
+    def _admit_store(self, pend: _Pending) -> None:
+        """Admits a store's keys into the index (room from capacity and free space, or a shared
+        root's grant) and hands the new ones to the engine."""
+        keys, digests, slots = pend.keys, pend.digests, pend.slots
+        fb = self.file_bytes
+        if self._keeper is not None:
+            room = self._keeper.room()
+        else:
+            room = self._fs_room()  # the free-space estimate (statvfs at most every _FS_CHECK_S)
+            if self.capacity_bytes is not None:
+                room = min(room, self.capacity_bytes - self._used_bytes)
         # New blocks that fit without eviction are admitted in one call; the rest (and every key
         # while leftover files hold block names) take the per-key path below.
         max_new = 0 if self._leftover_digests else max(0, min(room // fb, len(keys)))
         n_new, codes = self._bindex.admit_stores(digests, max_new)
+        if self._keeper is not None and n_new:
+            self._keeper.reserve(n_new * fb)  # (within room(): the grant only grows meanwhile)
         self._used_bytes += n_new * fb
         self._fs_free -= n_new * fb
         self._writing += n_new
-        pend = _Pending(job, False, keys, keys, digests, slots, {}, claimed=slots)
         if codes is not None:
             self._admit_stores_slowly(pend, keys, slots, digests, codes)
         if self._probe_misses:
             for d in _split(pend.digests):
                 self._probe_misses.pop(d, None)
-        self._stats["stores_submitted"] += 1
         self._dispatch(pend, Op.WRITE_BLOCK)
 
     def _admit_stores_slowly(self, pend: _Pending, keys: list[bytes], slots: bytes,
@@ -964,6 +1050,9 @@ class DiskTier:
     def _refuse_store(self, done: dict, key: bytes) -> None:
         """A key that gets no room: failed, counted, warned about."""
         done[key] = (
+            f"no capacity: the shared root's evictor granted no room within {_GRANT_WAIT_S:g} s "
+            f"(capacity_bytes={self.capacity_bytes} for the root, blocks in use hold it)"
+            if self._keeper is not None else
             "no capacity: every block is in use"
             if self.capacity_bytes is not None
             and self._used_bytes + self.file_bytes > self.capacity_bytes
@@ -1016,6 +1105,12 @@ class DiskTier:
         block takes over (its bytes stay counted; it needs no new space). Blocks in ``keep``
         (digests) are not evicted for it."""
         fb = self.file_bytes
+        if self._keeper is not None:  # a shared root: its evictor makes the room
+            if not self._keeper.reserve(fb):
+                return False
+            self._used_bytes += fb
+            self._fs_free -= fb
+            return True
         cap_need = -1 if self.capacity_bytes is None else (
             self._used_bytes + fb - self.capacity_bytes)
         free_need = fb - self._fs_room()  # > 0: this block would eat into min_free_bytes
@@ -1105,6 +1200,8 @@ class DiskTier:
             out, self._ready = self._ready, []
             self._job_ids.difference_update(r.job_id for r in out)
             return out
+        if self._keeper is not None:
+            self._shared_round()
         self._collect()
         out, self._ready = self._ready, []
         if out:  # a job id is in flight until its result is reported
@@ -1116,6 +1213,27 @@ class DiskTier:
         if self._probing:  # a bounded slice: the rest is applied by lookup() and on_step_end()
             self._apply_probes(max_results=_FINISHED_PROBE_SLICE)
         return out
+
+    def _shared_round(self) -> None:
+        """A shared tier: drops the blocks the root's evictor announced (a MISS from now on, for
+        probe_ttl_s, as after a probe's "not found"), then admits the stores its grant covers."""
+        gone = self._keeper.take_evicted()
+        if gone:
+            expiry = _now() + self.probe_ttl_s
+            n = 0
+            for d in gone:
+                if self._bindex.set_removing(d):  # present and not being read
+                    self._bindex.forget_removed(d)
+                    self._used_bytes -= self.file_bytes
+                    if self._removed is not None:
+                        self._removed.append(d)
+                    self._probe_misses[d] = expiry
+                    n += 1
+                elif d not in self._bindex and d not in self._probe_wanted:
+                    self._probe_misses[d] = expiry
+            self._stats["shared_evictions_applied"] += n
+        if self._awaiting:
+            self._admit_waiting()
 
     def _poll(self) -> None:
         """Moves what the engine finished to self._polled (not settled yet)."""
@@ -1162,6 +1280,9 @@ class DiskTier:
         no_space: list[tuple[int, int]] = []  # (index in pend.keys, result)
         if pend.is_load:
             self._used_bytes -= self._bindex.finish_loads(pend.digests) * self.file_bytes
+            if self._keeper is not None:  # in use: the root's evictor takes older blocks first
+                self._keeper.used(list(_split(pend.digests)) if all_ok else [
+                    pend.digests[16 * i:16 * i + 16] for i, r in enumerate(results) if r >= 0])
             st["blocks_loaded"] += len(results) if all_ok else sum(r >= 0 for r in results)
             st["bytes_loaded"] += moved
             if not all_ok:
@@ -1216,7 +1337,8 @@ class DiskTier:
         caller's job is reported after that. False (the keys failed) when nothing can be
         evicted."""
         self._fs_checked_at = -math.inf  # free space is not what it was estimated to be
-        eid = self._evict(len(no_space) * self.file_bytes, keep=_split(pend.digests))  # not its own
+        eid = None if self._keeper is not None else self._evict(  # (shared: the evictor's job)
+            len(no_space) * self.file_bytes, keep=_split(pend.digests))  # not its own
         if eid is None:
             for i, res in no_space:
                 self._store_failed(pend.digests[16 * i:16 * i + 16], res)
@@ -1370,6 +1492,7 @@ class DiskTier:
         cache (JuiceFS 1 s, NFS more), and each such probe was a HIT whose load failed again."""
         path = self.layout.block_path(digest)
         if res == -errno.ENOENT and self.shared:
+            self._stats["loads_gone"] += 1
             self._warn("loads failed", _describe(res), path)
             if self._bindex.set_removing(digest):  # (else the last load reading it does this)
                 self._used_bytes -= self.file_bytes
@@ -1438,14 +1561,22 @@ class DiskTier:
         if self._closed:  # shutdown() drained everything; only uncollected results are left
             return bool(self._ready or self._polled or self._engine.pending_jobs())
         return bool(self._pending or self._evicting or self._ready or self._polled or self._probing
-                    or self._probe_wanted)
+                    or self._probe_wanted or self._awaiting)
 
     def wait(self, timeout_s: float | None = None) -> list[JobResult]:
         """Blocks (GIL released) until at least one job finished or nothing is pending, or
         timeout_s seconds; returns the finished jobs as :meth:`get_finished_jobs`."""
         if not self._ready and not self._polled:
-            self._engine.wait(timeout_s)
+            if self._awaiting and not self._pending and not self._evicting:
+                self._keeper.wait_grant(self._grant_wait_left(timeout_s))
+            else:
+                self._engine.wait(timeout_s)
         return self.get_finished_jobs()
+
+    def _grant_wait_left(self, timeout_s: float | None = None) -> float:
+        """Seconds to wait for a grant: until the first waiting store gives up (or timeout_s)."""
+        left = max(0.0, self._awaiting[0].grant_deadline - _now()) + 0.001
+        return left if timeout_s is None else min(left, max(0.0, timeout_s))
 
     def drain(self) -> None:
         """Blocks until every submitted job and eviction finished (results stay available to
@@ -1453,6 +1584,14 @@ class DiskTier:
         self._engine.drain()
         while self._continue_retries():
             self._engine.drain()
+        while self._awaiting:  # a shared tier's stores waiting for room: until granted or given up
+            self._shared_round()
+            if self._awaiting:
+                self._keeper.wait_grant(self._grant_wait_left())
+                self._shared_round()
+            self._engine.drain()
+            while self._continue_retries():
+                self._engine.drain()
         if self._probe is not None and self._probing:
             self._apply_probes(self._probe.wait())
 
@@ -1484,6 +1623,8 @@ class DiskTier:
             self._host_engine.shutdown()
             if self._probe is not None:
                 self._probe.close()
+            if self._keeper is not None:
+                self._keeper.close()
             if self._arena is not None:  # no I/O can touch it now: let its owner free it
                 self._arena.release()
         finally:
@@ -1496,7 +1637,7 @@ class DiskTier:
             self._bindex.close()
         _open_tiers.discard(self)
         for name, close in (("_engine", "shutdown"), ("_host_engine", "shutdown"), ("_probe", "close"),
-                            ("_root_lock", "release")):
+                            ("_keeper", "close"), ("_root_lock", "release")):
             obj = self.__dict__.get(name)
             if obj is not None:
                 try:
@@ -1548,4 +1689,11 @@ class DiskTier:
         s["direct"] = int(self.direct)
         s["quarantine_files"] = self._quarantine_box.files
         s["quarantine_bytes"] = self._quarantine_box.bytes
+        k = self._keeper
+        if k is not None:  # a shared root's capacity: this member's figures
+            s.update(k.stats)
+            s["shared_evictor"] = int(k.is_evictor)
+            s["shared_granted_bytes"] = k.granted
+            s["shared_reserved_bytes"] = k.reserved
+            s["stores_waiting_for_grant"] = len(self._awaiting)
         return s
