@@ -15,7 +15,8 @@ appended):
 
 - ``members/ID.lock``: held with ``flock(LOCK_EX)`` by member ID for its life (a lock that can be
   taken again means the member is dead); ``members/ID.json``: its ``reserved`` (cumulative bytes
-  it reserved for new block files), ``returned`` (cumulative bytes of its grant it gave back
+  it reserved for new block files), ``settled`` (of those, the bytes of stores that finished,
+  published or failed), ``returned`` (cumulative bytes of its grant it gave back
   unused, after RETURN_IDLE_S without a store waiting) and ``wanted`` (reserved plus returned
   plus the bytes of its stores waiting for room).
 - ``evictor.lock``: held by the evictor; the member that takes it next takes over.
@@ -63,13 +64,17 @@ POLL_S = 0.01
 LIVENESS_S = 1.0
 #: Seconds between full rescans of the root by the evictor (its byte count is rebased on them).
 RESCAN_S = 30.0
-#: A block's use time is set at most once per this many seconds by one member.
-USE_TIME_S = 10.0
+#: A block's use time is set by one member at most once per a quarter of the root's LRU horizon
+#: (the age of the blocks the evictor is evicting, which it publishes), within these bounds.
+USE_TIME_MIN_S, USE_TIME_MAX_S = 0.05, 10.0
 #: The eviction log starts a new generation past this many bytes (64 Ki digests).
 LOG_ROTATE_BYTES = _DIGEST << 16
 #: Fraction of the capacity the evictor grants the members together beyond what their waiting
-#: stores need (a member that keeps storing seldom waits for a round trip).
+#: stores need, from room that is free (never evicted for): a member that keeps storing into a
+#: root that is not full seldom waits for a round trip.
 HEADROOM = 1 / 8
+#: Block files younger than this at the start of a count are left out of its candidates.
+COUNT_MARGIN_S = 0.1
 #: Seconds without a store waiting after which a member gives back the grant it has not used.
 RETURN_IDLE_S = 1.0
 
@@ -131,10 +136,11 @@ def _try_lock(path: str, mode: int, create: bool) -> int | None:
 class _Member:
     """What the evictor knows of one member."""
     reserved: int = 0  # as last read
+    settled: int = 0
     returned: int = 0
     wanted: int = 0
     granted: int = 0
-    base: int = 0  # ``reserved`` when the root's bytes were last counted (0: joined since)
+    base: int = 0  # ``settled`` when the root's bytes were last counted (0: joined since)
     alive: bool = True
 
 
@@ -156,6 +162,7 @@ class _EvictorState:
     candidates: list[_Candidate] = field(default_factory=list)  # oldest last (popped)
     log_gen: int = 0
     grants_written: dict[str, int] = field(default_factory=dict)
+    horizon_s: float | None = None  # age of the last block evicted (wall clock), published
     liveness_at: float = -1e18
     rescan_soon: bool = True
 
@@ -203,6 +210,7 @@ class RootKeeper:
         self._mu = threading.Condition(threading.Lock())
         self.granted = 0  # cumulative bytes this member may reserve
         self.reserved = 0  # cumulative bytes reserved
+        self.settled = 0  # of those, cumulative bytes of stores that finished (ok or failed)
         self.returned = 0  # cumulative bytes of the grant given back unused
         self.wanted = 0
         self._want_at = time.monotonic()  # when a store last waited (or the member started)
@@ -210,12 +218,13 @@ class RootKeeper:
         self._used: list[bytes] = []
         self.stats = {"shared_grant_rounds": 0, "shared_evictions": 0, "shared_evicted_seen": 0,
                       "shared_use_times_set": 0, "shared_rescans": 0, "shared_evictor_terms": 0,
-                      "shared_dead_members": 0}
+                      "shared_dead_members": 0, "shared_round_errors": 0}
         # --- the keeper thread's own
         self._published: tuple[int, int] | None = None
         self._log_gen: int | None = None
         self._log_offset = 0
         self._used_at: dict[bytes, float] = {}
+        self._use_every_s = 1.0  # (until the evictor publishes its horizon)
         self._evictor_fd: int | None = None
         self._ev: _EvictorState | None = None
         self._evictor_try_at = -1e18
@@ -245,6 +254,11 @@ class RootKeeper:
                 self.wanted = self.reserved + self.returned
             return True
 
+    def settle(self, nbytes: int) -> None:
+        """``nbytes`` of reserved block files are done with: published, or their store failed."""
+        with self._mu:
+            self.settled += nbytes
+
     def room(self) -> int:
         """Bytes this member may reserve now."""
         with self._mu:
@@ -261,7 +275,7 @@ class RootKeeper:
 
     def used(self, digests: list[bytes]) -> None:
         """Blocks this member loaded or pinned: their use times are set (at most once per
-        USE_TIME_S each), so the evictor takes them after older ones."""
+        a quarter of the root's LRU horizon each), so the evictor takes them after older ones."""
         if digests:
             with self._mu:
                 self._used.extend(digests)
@@ -307,11 +321,16 @@ class RootKeeper:
     # ------------------------------------------------------------------ the keeper thread
 
     def _run(self) -> None:
+        logged_at = -1e18
         while not self._stop.is_set():
             try:
                 self.run_once()
-            except Exception:  # a round's failure is logged; the next round tries again
-                logger.exception("pykvtier: shared root %s: keeper round failed", self.dir)
+            except Exception:  # counted; logged at most once a minute; the next round tries again
+                self.stats["shared_round_errors"] += 1
+                if time.monotonic() >= logged_at + 60.0:
+                    logged_at = time.monotonic()
+                    logger.exception("pykvtier: shared root %s: keeper round failed (%d so far)",
+                                     self.dir, self.stats["shared_round_errors"])
             self._wake.wait(POLL_S)
             self._wake.clear()
 
@@ -345,11 +364,12 @@ class RootKeeper:
                     and time.monotonic() >= self._want_at + RETURN_IDLE_S):
                 self.returned += unused  # idle: the evictor may give it to others
                 self.wanted = self.reserved + self.returned
-            figures = (self.reserved, self.returned, self.wanted)
+            figures = (self.reserved, self.settled, self.returned, self.wanted)
         if figures != self._published:
             _write_record(self._member_path(".json"), {
-                "reserved": figures[0], "returned": figures[1], "wanted": figures[2],
-                "pid": os.getpid(), "host": socket.gethostname()}, self.file_mode)
+                "reserved": figures[0], "settled": figures[1], "returned": figures[2],
+                "wanted": figures[3], "pid": os.getpid(), "host": socket.gethostname()},
+                self.file_mode)
             self._published = figures
 
     def _read_grants(self) -> None:
@@ -363,6 +383,9 @@ class RootKeeper:
                     self.granted = mine
                     self.stats["shared_grant_rounds"] += 1
                     self._mu.notify_all()
+        h = g.get("horizon_s")
+        if isinstance(h, (int, float)) and h > 0:
+            self._use_every_s = min(USE_TIME_MAX_S, max(USE_TIME_MIN_S, h / 4))
         gen = g.get("log_gen")
         if isinstance(gen, int) and gen != self._log_gen:
             if self._log_gen is None:  # first sight: evictions from now on (the tier's start
@@ -399,8 +422,9 @@ class RootKeeper:
     def _set_use_times(self, now: float) -> None:
         with self._mu:
             used, self._used = self._used, []
+        every = self._use_every_s
         for d in used:
-            if now < self._used_at.get(d, -1e18) + USE_TIME_S:
+            if now < self._used_at.get(d, -1e18) + every:
                 continue
             self._used_at[d] = now
             try:
@@ -409,7 +433,7 @@ class RootKeeper:
             except OSError:
                 pass  # gone (evicted), or another user's file
         if len(self._used_at) > 1 << 16:
-            self._used_at = {d: t for d, t in self._used_at.items() if now < t + USE_TIME_S}
+            self._used_at = {d: t for d, t in self._used_at.items() if now < t + every}
 
     # ------------------------------------------------------------------ the evictor
 
@@ -462,8 +486,11 @@ class RootKeeper:
             f = _read_record(self._member_path(".json", mid))
             if f is not None:
                 r, x, w = f.get("reserved"), f.get("returned", 0), f.get("wanted")
+                c = f.get("settled", 0)
                 if isinstance(r, int) and r >= m.reserved:
                     m.reserved = r
+                if isinstance(c, int) and c >= m.settled:
+                    m.settled = c
                 if isinstance(x, int) and x >= m.returned:
                     m.returned = x
                 if isinstance(w, int):
@@ -474,10 +501,18 @@ class RootKeeper:
                 ev.rescan_soon = True
 
     def _rescan(self, ev: _EvictorState, now: float) -> None:
-        """Counts the bytes under blocks/ (block files and temporaries) and lists the block files
-        by modification time: the books start again from this count."""
-        for m in ev.members.values():  # reserved before the count: counted twice at worst
-            m.base = m.reserved
+        """Counts the bytes under blocks/ (block files, and temporaries as whole block files) and
+        lists the block files by modification time: the books start again from this count.
+        Block files newer than the count's start are no candidates until the next count: they
+        may be in the count and in a member's grant both (counted twice), and are the newest."""
+        # (less a margin: a file system stamps times from a coarse clock, a tick behind, and
+        # nodes' clocks differ by a few ms under NTP)
+        start_ns = time.time_ns() - int(COUNT_MARGIN_S * 1e9)
+        self._read_members(ev, now)  # (the figures just before the count: little counted twice)
+        for m in ev.members.values():
+            # Stores settled before the count are in it; those in flight (a temporary still
+            # growing, a rename the listing may miss) stay in granted - base.
+            m.base = m.settled
         ev.members = {mid: m for mid, m in ev.members.items() if m.alive}
         counted, cands = 0, []
         for i in range(256):
@@ -494,10 +529,13 @@ class RootKeeper:
                         continue
                     if not stat.S_ISREG(st.st_mode):
                         continue
-                    counted += st.st_size
                     d = self._digest_from_name(de.name)
                     if d is not None:
-                        cands.append(_Candidate(st.st_mtime_ns, d, st.st_size))
+                        counted += st.st_size
+                        if st.st_mtime_ns < start_ns:
+                            cands.append(_Candidate(st.st_mtime_ns, d, st.st_size))
+                    else:  # a temporary: a whole block file once written
+                        counted += max(st.st_size, self.file_bytes)
         cands.sort(key=lambda c: -c.mtime_ns)
         ev.counted, ev.freed, ev.candidates = counted, 0, cands
         ev.scanned_at, ev.rescan_soon = now, False
@@ -551,6 +589,7 @@ class RootKeeper:
             ev.freed += c.size
             freed += c.size
             gone.append(c.digest)
+            ev.horizon_s = max(0.0, time.time() - c.mtime_ns / 1e9)
         if gone:
             self.stats["shared_evictions"] += len(gone)
             self._append_log(ev, gone)
@@ -574,16 +613,16 @@ class RootKeeper:
         """One round of the evictor: the members' figures, a recount when due, evictions for the
         grants they need, the grants written."""
         ev = self._ev
-        self._read_members(ev, now)
         if ev.rescan_soon or now - ev.scanned_at >= RESCAN_S:
-            self._rescan(ev, now)
+            self._rescan(ev, now)  # (reads the members' figures first)
+        else:
+            self._read_members(ev, now)
         live = [m for m in ev.members.values() if m.alive]
         fb = self.file_bytes
         limit = self._limit(ev)
         share = int(limit * HEADROOM) // max(1, len(live)) // fb * fb
-        # Evicted for: the members' waiting stores, each with its share of the headroom on top
-        # (the next stores of a member that keeps storing need no round trip).
-        needs = {mid: m.wanted + share - m.granted for mid, m in ev.members.items()
+        # Evicted for: the members' waiting stores.
+        needs = {mid: m.wanted - m.granted for mid, m in ev.members.items()
                  if m.alive and m.wanted > m.granted}
         total = sum(needs.values())
         over = self._committed(ev) + total - limit
@@ -604,9 +643,15 @@ class RootKeeper:
             if n > 0:
                 ev.members[mid].granted += n
                 room -= n
+        for mid in needs:  # then, from room left free, a share of the headroom each
+            n = min(share, room) // fb * fb
+            if n > 0:
+                ev.members[mid].granted += n
+                room -= n
         grants = {mid: m.granted for mid, m in ev.members.items() if m.alive}
         if grants != ev.grants_written or not os.path.exists(os.path.join(self.dir, _GRANTS)):
             _write_record(os.path.join(self.dir, _GRANTS),
-                        {"evictor": self.member_id, "log_gen": ev.log_gen, "grants": grants},
+                        {"evictor": self.member_id, "log_gen": ev.log_gen, "grants": grants,
+                         "horizon_s": ev.horizon_s},
                         self.file_mode)
             ev.grants_written = grants

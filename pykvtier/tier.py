@@ -153,7 +153,7 @@ _TIER_STATS = (
     "eviction_failures", "capacity_rejections", "probes", "probe_hits", "probe_results_applied",
     "stale_temporaries_removed", "direct_fallbacks", "malformed_block_files", "evictions_recycled",
     "store_retries", "leftovers_removed", "loads_refused", "blocks_removed",
-    "stores_waited_for_grant", "shared_evictions_applied", "loads_gone")
+    "stores_waited_for_grant", "shared_evictions_applied", "loads_gone", "stores_refused_evicting")
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(DiskTierConfig)) - {"root_dir",
@@ -1028,6 +1028,7 @@ class DiskTier:
                 continue
             if c == _ADMIT_REMOVING:
                 done[key] = "block is being evicted"
+                self._stats["stores_refused_evicting"] += 1
                 continue
             if c == _ADMIT_NEEDS_ROOM:
                 if digest in self._leftover_digests:
@@ -1096,6 +1097,8 @@ class DiskTier:
         else:
             for d in _split(pend.digests):
                 self._forget_writing(d)
+            if self._keeper is not None:
+                self._keeper.settle(len(pend.digests) // 16 * fb)
         self._claims.release(pend.claimed, pend.is_load)
 
     def _reserve(self, recycle: bool = False, keep: Iterable[bytes] = ()) -> bool | bytes:
@@ -1292,6 +1295,8 @@ class DiskTier:
                         self._load_failed(pend.digests[16 * i:16 * i + 16], res)
                         pend.done[pend.keys[i]] = _describe(res)
         else:
+            if self._keeper is not None:  # each entry's reservation is done with (a shared
+                self._keeper.settle(len(results) * self.file_bytes)  # tier never retries)
             n_ok = self._bindex.finish_stores(pend.digests, results)
             self._writing -= n_ok
             st["blocks_stored"] += n_ok

@@ -1296,3 +1296,17 @@ def test_unknown_option_names_the_accepted_ones(root):
     assert msg.startswith("DiskTier: unknown options 'capcity_bytes', 'engin'; accepted: capacity_bytes, ")
     assert ", engine, " in msg and ", verify" in msg
     assert not os.path.exists(os.path.join(root, "blocks"))  # nothing created
+
+
+def test_a_store_of_a_block_being_evicted_is_refused_and_counted(root, make_tier, arena):
+    """The victim of the previous store is REMOVING until its unlink (or the store reusing its
+    file) is collected: storing it again meanwhile fails, named and counted."""
+    tier = make_tier(root, capacity_bytes=FB)
+    tier.set_arena(fill(arena(2, BS), 31))
+    ok(store(tier, 1, [b"v0"], [0]), BS)
+    tier.submit_store(TransferJob(2, [b"v1"], [1]))  # evicts v0
+    tier.submit_store(TransferJob(3, [b"v0"], [0]))  # before the eviction is collected
+    res = {r.job_id: r for r in finish(tier)}
+    assert res[2].success is True
+    assert res[3].failed_keys == {b"v0": "block is being evicted"}
+    assert tier.stats()["stores_refused_evicting"] == 1
