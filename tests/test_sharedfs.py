@@ -25,7 +25,7 @@ import pytest
 
 from pykvtier import DiskTier, LookupResult, TransferJob, _native
 from pykvtier.doctor import _size
-from pykvtier.layout import HEADER_BYTES, RootLockedError, key_digest
+from pykvtier.layout import HEADER_BYTES, BlockHeader, RootLockedError, key_digest
 
 pytestmark = pytest.mark.sharedfs
 
@@ -97,15 +97,12 @@ def probe(tier: DiskTier, keys: list[bytes]) -> list[LookupResult]:
 @pytest.fixture
 def nodes(shared_roots, make_tier, arena):
     """nodes(**options) -> ((tier A, arena A), (tier B, arena B)): shared tiers of one root,
-    through mount A and mount B; options for both. A, the writer, takes the posix engine unless
-    ``a_engine`` says otherwise: the io_uring engine's stores are not whole on the other node
-    when reported (test_a_store_reported_done_is_whole_on_the_other_node), and these tests are
-    about what comes after."""
+    through mount A and mount B; options for both (``a_engine``: A's engine alone)."""
 
-    def make(a_engine="posix", **kw):
+    def make(a_engine=None, **kw):
         ra, rb = shared_roots
         out = []
-        for root, eng in ((ra, {"engine": a_engine}), (rb, {})):
+        for root, eng in ((ra, {} if a_engine is None else {"engine": a_engine}), (rb, {})):
             a = arena(8, BS)
             out.append((make_tier(root, shared=True, arena=a, **{**kw, **eng}), a))
         return out
@@ -132,7 +129,7 @@ def test_two_mounts_are_two_clients_of_one_volume(sharedfs):
 
 @pytest.mark.parametrize("engine", ["uring", "posix"])
 def test_stored_through_a_hits_after_its_probe_and_loads_byte_exact_through_b(nodes, engine, clock):
-    (ta, aa), (tb, ab) = nodes(engine=engine, a_engine="posix")  # (B loads with `engine`)
+    (ta, aa), (tb, ab) = nodes(engine=engine)  # (both nodes with `engine`)
     keys = keys_of(4)
     assert probe(tb, keys) == [MISS] * 4  # nothing there yet: a MISS for probe_ttl_s
     store(ta, aa, keys)
@@ -312,10 +309,8 @@ def test_vllm_managers_on_two_nodes_one_stores_the_other_hits_and_loads(shared_r
     made = []
     try:
         def scheduler(root):
-            # (the writer takes the posix engine: see test_a_store_reported_done_is_whole...)
-            eng = {"engine": "posix"} if root == ra else {}
             spec = tv.OffloadingSpecFactory.create_spec(tv.offloading_config(
-                [tv.tier_config(root, shared=True, probe_ttl_s=3600.0, **eng)], num_chunks=8))
+                [tv.tier_config(root, shared=True, probe_ttl_s=3600.0)], num_chunks=8))
             m = spec.get_manager()
             made.append(m)
             return tv.Scheduler(m)
@@ -349,31 +344,31 @@ def test_vllm_managers_on_two_nodes_one_stores_the_other_hits_and_loads(shared_r
             m.shutdown()
 
 
-@pytest.mark.parametrize("engine, fsync", [
-    pytest.param("uring", False, marks=pytest.mark.xfail(strict=True, reason=(
-        "defect: the io_uring engine closes a new block file with IORING_OP_CLOSE of a fixed "
-        "(direct) descriptor, which never calls the file system's ->flush; FUSE sends FLUSH only "
-        "from close(2), and JuiceFS commits a file's data and length at FLUSH (else at the "
-        "asynchronous RELEASE). So the rename publishes the name and the store is reported "
-        "before the data is committed: another node stats the block file with length 0 for a "
-        "few ms (8 % of blocks here), and its probe answers MISS. close(2) (posix engine) or an "
-        "fdatasync in the chain (fsync=True) commits first; NFS's close-to-open flush is skipped "
-        "the same way for buffered writes"))),
-    ("uring", True),
-    ("posix", False),
-])
+@pytest.mark.parametrize("engine, fsync", [("uring", False), ("uring", True), ("posix", False)])
 def test_a_store_reported_done_is_whole_on_the_other_node(shared_roots, make_tier, arena, engine, fsync):
-    """Right after each store through A is reported, B stats the block file: it must be the
-    whole block file (close-to-open: what one node reported stored, another can read)."""
+    """Right after each store through A is reported, B stats the block file, then reads it: it
+    must be the whole block file, byte-exact (close-to-open: what one node reported stored,
+    another can read). JuiceFS commits a file's data and length at FUSE FLUSH, which only a
+    close through the file system's ->flush sends: the io_uring engine closes a store's file
+    so (a regular descriptor; a close of a fixed-file slot skips ->flush, and B saw 8 % of
+    these files 0 bytes long before that was fixed), the posix engine with close(2)."""
     ra, rb = shared_roots
     a = arena(1, BS)
     a[0] = data_of([b"whole"])[0]
     ta = make_tier(ra, shared=True, arena=a, engine=engine, fsync=fsync)
-    sizes = []
+    sizes, wrong = [], []
     for i in range(200):  # one block per store: the window right after each report
         (k,) = keys_of(1, b"whole-%d" % i)
         res = run(ta, TransferJob(i + 1, [k], [0]), load=False)
         assert res.success
-        sizes.append(os.stat(ta.layout.block_path(key_digest(k)).replace(ra, rb, 1)).st_size)
+        on_b = ta.layout.block_path(key_digest(k)).replace(ra, rb, 1)
+        sizes.append(os.stat(on_b).st_size)
+        with open(on_b, "rb") as f:
+            raw = f.read()
+        h = BlockHeader.parse(raw)
+        if not (len(raw) == BS + HEADER_BYTES and h.ok and h.key_digest == key_digest(k)
+                and h.payload_bytes == BS and raw[HEADER_BYTES:] == a[0].tobytes()):
+            wrong.append((i, len(raw), h.ok))
     short = [s for s in sizes if s != BS + HEADER_BYTES]
     assert short == [], f"{len(short)} of 200 block files seen short through B: sizes {sorted(set(short))}"
+    assert wrong == [], f"{len(wrong)} of 200 block files read through B are not what A stored: {wrong[:8]}"

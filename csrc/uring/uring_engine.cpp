@@ -303,7 +303,8 @@ void Ring::mark(uint32_t slot, io_uring_sqe* sqe, Stage st, unsigned flags, uint
 
 // The main chain of the slot's request, one function per op. Every chain but unlink's is
 // open -> ... -> close, hard-linked so that the close always runs and every stage reports its
-// own result; block files are opened with no link anywhere in their path (openat2).
+// own result (a store's open comes first, alone: prep_store_open); block files are opened with
+// no link anywhere in their path (openat2).
 void Ring::prep_request(uint32_t slot) {
   Ctx& c = ctx_[slot];
   c.phase = Phase::Main;
@@ -311,10 +312,14 @@ void Ring::prep_request(uint32_t slot) {
     case Op::Unlink: return prep_unlink(slot);
     case Op::Read: return prep_read(slot);
     case Op::ReadBlock: return prep_read_block(slot);
-    case Op::Write: return prep_write(slot);
-    case Op::WriteBlock: return prep_write_block(slot);
+    case Op::Write:
+    case Op::WriteBlock: return prep_store_open(slot);
   }
 }
+
+// The descriptor a request's SQEs name: a store's regular one once open, else its fixed-file slot.
+int Ring::file_of(uint32_t slot) const { return ctx_[slot].fd >= 0 ? ctx_[slot].fd : int(slot); }
+unsigned Ring::file_flag(uint32_t slot) const { return ctx_[slot].fd >= 0 ? 0u : unsigned(IOSQE_FIXED_FILE); }
 
 void Ring::prep_unlink(uint32_t slot) {
   const Job& job = *ctx_[slot].job;
@@ -328,8 +333,9 @@ void Ring::prep_unlink(uint32_t slot) {
 
 // Open flags of the main chain. A fresh temporary is new (kTemporaryOpenFlags). A victim being
 // reused (checked by the recycle probe's statx) is opened without O_CREAT (so the kernel tries
-// the open without blocking first) and never through a symlink put there meanwhile. (O_CLOEXEC
-// is refused for direct descriptors: they are never in the fd table.)
+// the open without blocking first) and never through a symlink put there meanwhile. (O_CLOEXEC:
+// prep_open adds it for a store's regular descriptor; it is refused for direct descriptors,
+// which are never in the fd table.)
 int Ring::main_open_flags(const Job& job, const Request& r, bool reuse) const {
   int flags = O_RDONLY;
   if (op_is_write(job.op))
@@ -367,22 +373,42 @@ void Ring::prep_read_block(uint32_t slot) {
   prep_sync_and_close(slot, false);
 }
 
-void Ring::prep_write(uint32_t slot) {
+// A store (write, write_block) opens its file alone, into a regular descriptor (Phase::Open);
+// its chain, prepared once the open's CQE gives the number (after_open), writes and closes that
+// descriptor. The contract: a store is reported only after its file was closed as close(2)
+// closes it, with the file system's ->flush, and before its rename publishes the name; what
+// another client that opens the name then reads is the whole file (close-to-open).
+// Why not a fixed-file slot, as loads use: io_uring's close of a slot (IORING_OP_CLOSE with a
+// file_index: io_uring/openclose.c io_close_fixed -> io_fixed_fd_remove) only drops the table's
+// reference (fput, then ->release at the last one); ->flush is called by filp_close alone, which
+// IORING_OP_CLOSE of a regular descriptor calls (io_close; punted to io-wq when the file has a
+// ->flush). FUSE sends FLUSH only from ->flush (fuse_flush), and JuiceFS commits a file's data
+// and length at FLUSH (else at the asynchronous RELEASE): with a slot, the rename published a
+// name whose file another mount saw 0 bytes long for a few ms. NFS writes back a buffered
+// file's dirty pages at ->flush (close-to-open) the same way. Local file systems (ext4, XFS,
+// btrfs, tmpfs) have no ->flush; there the cost is the open's own CQE and a later submit for
+// the chain (0.70 -> 0.95 io_uring_submit calls per 256 KiB store), and no CPU per store that
+// bench/store_cpu.py could tell from the spread of its rounds (ext4, medians of 8-10 A/B rounds:
+// 64 KiB 425 -> 418 us, 256 KiB 514 -> 559 us, 1 MiB 599 -> 592 us; rounds spread +-40 %), so
+// every file system takes this path. Payloads still move from the registered (fixed) buffers.
+// A regular descriptor counts against RLIMIT_NOFILE (at most the ring's store slots at once;
+// EMFILE fails the store) and is O_CLOEXEC.
+void Ring::prep_store_open(uint32_t slot) {
   Ctx& c = ctx_[slot];
-  const Request& r = c.job->reqs[c.index];
-  c.flags = main_open_flags(*c.job, r, false);
-  if (!prep_open(slot, c.flags)) return;
-  prep_payload(slot, true, r.offset);
-  prep_sync_and_close(slot, true);
+  c.flags = main_open_flags(*c.job, c.job->reqs[c.index], c.reuse);
+  c.phase = Phase::Open;
+  prep_open(slot, c.flags);
 }
 
-void Ring::prep_write_block(uint32_t slot) {
+void Ring::prep_store_chain(uint32_t slot) {
   Ctx& c = ctx_[slot];
   const Job& job = *c.job;
   const Request& r = job.reqs[c.index];
-  c.flags = main_open_flags(job, r, c.reuse);
+  if (job.op == Op::Write) {
+    prep_payload(slot, true, r.offset);
+    return prep_sync_and_close(slot, true);
+  }
   detail::fill_header(c.header, job, r);
-  if (!prep_open(slot, c.flags)) return;
   // A new block file: header and payload in one write (writes that extend a file go to an
   // io-wq worker, which waits for an extending O_DIRECT write: one write instead of two). A
   // reused victim is overwritten in place: two writes, inline, from the registered buffers.
@@ -391,12 +417,12 @@ void Ring::prep_write_block(uint32_t slot) {
     c.iov[0] = {c.header, kHeaderBytes};
     c.iov[1] = {reinterpret_cast<void*>(r.addr), r.length};
     io_uring_sqe* sqe = get_sqe();
-    io_uring_prep_writev(sqe, int(slot), c.iov, 2, 0);
-    mark(slot, sqe, kData, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+    io_uring_prep_writev(sqe, file_of(slot), c.iov, 2, 0);
+    mark(slot, sqe, kData, file_flag(slot) | IOSQE_IO_HARDLINK);
   } else {
     io_uring_sqe* sqe = get_sqe();
-    io_uring_prep_write(sqe, int(slot), c.header, unsigned(kHeaderBytes), 0);
-    mark(slot, sqe, kHeader, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+    io_uring_prep_write(sqe, file_of(slot), c.header, unsigned(kHeaderBytes), 0);
+    mark(slot, sqe, kHeader, file_flag(slot) | IOSQE_IO_HARDLINK);
     prep_payload(slot, true, kHeaderBytes);
   }
   prep_sync_and_close(slot, true);
@@ -408,48 +434,61 @@ void Ring::prep_payload(uint32_t slot, bool write, uint64_t file_off) {
   void* buf = reinterpret_cast<void*>(r.addr);
   io_uring_sqe* sqe = get_sqe();
   const int fixed = fixed_index(r.addr, r.length);
+  const int fd = file_of(slot);
   if (fixed >= 0) {
     if (write)
-      io_uring_prep_write_fixed(sqe, int(slot), buf, unsigned(r.length), file_off, fixed);
+      io_uring_prep_write_fixed(sqe, fd, buf, unsigned(r.length), file_off, fixed);
     else
-      io_uring_prep_read_fixed(sqe, int(slot), buf, unsigned(r.length), file_off, fixed);
+      io_uring_prep_read_fixed(sqe, fd, buf, unsigned(r.length), file_off, fixed);
     engine_.counters().fixed_buffer_ios++;
   } else if (write) {
-    io_uring_prep_write(sqe, int(slot), buf, unsigned(r.length), file_off);
+    io_uring_prep_write(sqe, fd, buf, unsigned(r.length), file_off);
   } else {
-    io_uring_prep_read(sqe, int(slot), buf, unsigned(r.length), file_off);
+    io_uring_prep_read(sqe, fd, buf, unsigned(r.length), file_off);
   }
-  mark(slot, sqe, kData, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+  mark(slot, sqe, kData, file_flag(slot) | IOSQE_IO_HARDLINK);
 }
 
-// The chain's end: [fdatasync (durable writes)] -> close of the fixed-file slot.
+// The chain's end: [fdatasync (durable writes)] -> close: of a store's regular descriptor (with
+// the file system's ->flush, as close(2)), else of the fixed-file slot.
 void Ring::prep_sync_and_close(uint32_t slot, bool write) {
   io_uring_sqe* sqe;
   if (write && ctx_[slot].job->fsync) {
     sqe = get_sqe();
-    io_uring_prep_fsync(sqe, int(slot), IORING_FSYNC_DATASYNC);
-    mark(slot, sqe, kFsync, IOSQE_FIXED_FILE | IOSQE_IO_HARDLINK);
+    io_uring_prep_fsync(sqe, file_of(slot), IORING_FSYNC_DATASYNC);
+    mark(slot, sqe, kFsync, file_flag(slot) | IOSQE_IO_HARDLINK);
   }
   sqe = get_sqe();
-  io_uring_prep_close_direct(sqe, slot);
+  if (ctx_[slot].fd >= 0)
+    io_uring_prep_close(sqe, ctx_[slot].fd);
+  else
+    io_uring_prep_close_direct(sqe, slot);
   mark(slot, sqe, kClose, 0);
 }
 
+// The open of the slot's request: a store's (Phase::Open) into a regular descriptor, alone (its
+// CQE gives the number); else into the fixed-file slot, first of a hard-linked chain.
 bool Ring::prep_open(uint32_t slot, int flags) {
   Ctx& c = ctx_[slot];
   const Job& job = *c.job;
+  const bool store = c.phase == Phase::Open;
   int dfd;
   const char* name;
   if (int e = at(job, job.reqs[c.index].path, &dfd, &name)) {
-    if (c.phase == Phase::Main) c.open_failed = true;
+    if (c.phase == Phase::Main || store) c.open_failed = true;
     prep_failed(slot, kOpen, e);
     return false;
   }
   c.how = open_how{};
-  c.how.flags = uint64_t(flags);
+  c.how.flags = uint64_t(flags | (store ? O_CLOEXEC : 0));
   c.how.mode = (flags & O_CREAT) ? job.file_mode : 0;
   c.how.resolve = op_is_block(job.op) ? kResolveNoLinks : 0;
   io_uring_sqe* sqe = get_sqe();
+  if (store) {
+    io_uring_prep_openat2(sqe, dfd, name, &c.how);
+    mark(slot, sqe, kOpen, 0);
+    return true;
+  }
   io_uring_prep_openat2_direct(sqe, dfd, name, &c.how, slot);
   io_uring_sqe_set_data64(sqe, encode(slot, kOpen));
   sqe->flags |= IOSQE_IO_HARDLINK;
@@ -641,7 +680,7 @@ void Ring::on_cqe(uint64_t ud, int32_t res, uint32_t flags, Finished& finished) 
     sub &= ~kPreFailed;
     res = c.pre_res;
   }
-  if (st == kOpen && skip_open_cqe_ && !pre_failed) {  // only failures post, and are not counted
+  if (st == kOpen && skip_open_cqe_ && !pre_failed && c.phase != Phase::Open) {  // only failures post, not counted
     record_error(c, kOpen, res);
     if (c.phase == Phase::Main) c.open_failed = true;
     return;
@@ -677,8 +716,9 @@ void Ring::record(Ctx& c, Stage st, uint32_t sub, int32_t res) {
   const Request& r = job.reqs[c.index];
   switch (st) {
     case kOpen:
+      if (res >= 0 && c.phase == Phase::Open) c.fd = res;  // a store's descriptor (closed by its chain)
       if (res < 0) record_error(c, kOpen, res);
-      if (res < 0 && c.phase == Phase::Main) c.open_failed = true;
+      if (res < 0 && (c.phase == Phase::Main || c.phase == Phase::Open)) c.open_failed = true;
       return;
     case kLinks:  // (reported with the open's priority: before any bytes count)
       if (res == 0 && S_ISREG(c.stx.stx_mode) && c.stx.stx_nlink > 1) record_error(c, kOpen, -EMLINK);
@@ -691,6 +731,8 @@ void Ring::record(Ctx& c, Stage st, uint32_t sub, int32_t res) {
       if (res < 0) record_error(c, kFsync, res);
       return;
     case kClose:  // matters for writes only (the data may not have reached the file)
+      // (a regular descriptor is released whatever the close returns, a flush's error included)
+      c.fd = -1;
       if (res < 0 && op_is_write(job.op) && c.err == 0) record_error(c, kClose, res);
       return;
     case kRename:
@@ -728,6 +770,8 @@ void Ring::record(Ctx& c, Stage st, uint32_t sub, int32_t res) {
 void Ring::next_step(uint32_t slot, Finished& finished) {
   Ctx& c = ctx_[slot];
   switch (c.phase) {
+    case Phase::Open:
+      return after_open(slot, finished);
     case Phase::Main:
     case Phase::Reread:
       return after_main(slot, finished);
@@ -755,6 +799,15 @@ bool Ring::wants_reread(const Ctx& c) const {
   const Job& job = *c.job;
   const bool missing = (job.op == Op::ReadBlock && c.hdr_got < kHeaderBytes) || c.data_got < job.reqs[c.index].length;
   return missing && (c.phase == Phase::Main ? c.err == kErrShort : c.err == 0);
+}
+
+// A store's open is in: its chain from the descriptor, or (the open failed) what follows a main
+// chain whose open failed.
+void Ring::after_open(uint32_t slot, Finished& finished) {
+  Ctx& c = ctx_[slot];
+  c.phase = Phase::Main;
+  if (c.fd < 0) return after_main(slot, finished);
+  prep_store_chain(slot);
 }
 
 void Ring::after_main(uint32_t slot, Finished& finished) {

@@ -1,9 +1,12 @@
 // The io_uring engine: batched block I/O, one ring per worker thread.
 //
-// Each request opens its file inside the ring into a fixed-file slot, moves its bytes and closes
-// the slot, as one chain of linked SQEs (Phase::Main); stores then rename their temporary into
-// place (Phase::Rename) or remove it. A job's requests are prepared together and handed to the
-// kernel with one io_uring_submit where the ring has room. Results as job.hpp says.
+// Each load opens its file inside the ring into a fixed-file slot, moves its bytes and closes
+// the slot, as one chain of linked SQEs (Phase::Main). Each store opens its file inside the ring
+// into a regular descriptor (Phase::Open: a close of a fixed-file slot never reaches the file
+// system's ->flush, see prep_store_open), then writes and closes it as one chain (Phase::Main),
+// then renames its temporary into place (Phase::Rename) or removes it. A job's requests are
+// prepared together and handed to the kernel with one io_uring_submit where the ring has room
+// (a store's chain follows in a later one, once its open is in). Results as job.hpp says.
 #pragma once
 
 #include <liburing.h>
@@ -56,7 +59,8 @@ enum Stage : uint8_t {
 
 // What a request's slot is waiting for; the next step is chosen when all its CQEs are in.
 enum class Phase : uint8_t {
-  Main,           // open -> [statx] -> [header] -> data -> [fsync] -> close
+  Open,           // a store's open into a regular descriptor (its chain needs the number)
+  Main,           // open -> [statx] -> [header] -> data -> [fsync] -> close (a store's from Open)
   RecycleProbe,   // write_block with a victim: rename it to the temporary name, statx that
   RestoreVictim,  // a victim that is no reusable block file: renamed back to its name
   Reread,         // reopen + read of what a short read left out
@@ -102,6 +106,7 @@ class Ring {
     bool reuse = false;        // the main chain overwrites the victim at path (no O_EXCL)
     bool open_failed = false;  // the main chain's open failed: nothing reached the destination
     int flags = 0;             // the main chain's open flags (a re-read opens the same way)
+    int fd = -1;               // a store's regular descriptor: from its open's CQE to its close's
     int32_t recycle_res = 0;   // renaming the victim to the temporary name
     int32_t stat_res = 0;      // the statx of the temporary (RecycleProbe)
     int32_t check_res[2] = {0, 0};  // RecycleProbe: -errno opening the directory of the victim, the temporary
@@ -131,8 +136,10 @@ class Ring {
   void prep_unlink(uint32_t slot);
   void prep_read(uint32_t slot);
   void prep_read_block(uint32_t slot);
-  void prep_write(uint32_t slot);
-  void prep_write_block(uint32_t slot);
+  void prep_store_open(uint32_t slot);
+  void prep_store_chain(uint32_t slot);
+  int file_of(uint32_t slot) const;        // the descriptor SQEs of the slot's request name
+  unsigned file_flag(uint32_t slot) const;  // IOSQE_FIXED_FILE, or 0 for a store's descriptor
   void prep_payload(uint32_t slot, bool write, uint64_t file_off);
   void prep_sync_and_close(uint32_t slot, bool write);
   bool prep_open(uint32_t slot, int flags);  // false: not issued (a NOP reports why)
@@ -156,6 +163,7 @@ class Ring {
   void record_transfer(Ctx& c, Stage st, int32_t res);
   void record_error(Ctx& c, Stage stage, int64_t err);
   void next_step(uint32_t slot, Finished& finished);
+  void after_open(uint32_t slot, Finished& finished);
   void after_main(uint32_t slot, Finished& finished);
   bool wants_reread(const Ctx& c) const;
   void after_rename(uint32_t slot, Finished& finished);
