@@ -163,6 +163,9 @@ class _EvictorState:
     log_gen: int = 0
     grants_written: dict[str, int] = field(default_factory=dict)
     horizon_s: float | None = None  # age of the last block evicted (wall clock), published
+    room_written: int = -1  # whole blocks of room last published (at most once a second alone)
+    written_at: float = -1e18
+    free_bytes: int | None = None  # the file system's free bytes (capacity None), last seen
     liveness_at: float = -1e18
     rescan_soon: bool = True
 
@@ -225,6 +228,7 @@ class RootKeeper:
         self._log_offset = 0
         self._used_at: dict[bytes, float] = {}
         self._use_every_s = 1.0  # (until the evictor publishes its horizon)
+        self._last_grants: dict = {}  # the grants record last read (for describe())
         self._evictor_fd: int | None = None
         self._ev: _EvictorState | None = None
         self._evictor_try_at = -1e18
@@ -293,6 +297,20 @@ class RootKeeper:
             before = self.granted
             self._wake.set()
             return self._mu.wait_for(lambda: self.granted > before, timeout_s)
+
+    def describe(self) -> str:
+        """This member's grant and the evictor's last word, for an error message."""
+        g = self._last_grants
+        with self._mu:
+            mine = (f"this tier's grant {self.granted - self.reserved - self.returned} B unused, "
+                    f"{self.wanted - self.reserved - self.returned} B wanted")
+        if not g:
+            return f"{mine}; no evictor has written {os.path.join(self.dir, _GRANTS)} yet"
+        room, free = g.get("room"), g.get("free_bytes")
+        why = f"room {room} B left" if isinstance(room, int) else "room unknown"
+        if isinstance(free, int):
+            why += f" (the file system's free space {free} B, less min_free_bytes and grants)"
+        return f"{mine}; the evictor {g.get('evictor')} reports {why}"
 
     @property
     def is_evictor(self) -> bool:
@@ -376,6 +394,7 @@ class RootKeeper:
         g = _read_record(os.path.join(self.dir, _GRANTS))
         if g is None:
             return
+        self._last_grants = g
         mine = g.get("grants", {}).get(self.member_id)
         if isinstance(mine, int):
             with self._mu:
@@ -554,6 +573,7 @@ class RootKeeper:
             st = os.statvfs(self.blocks_dir)
         except OSError:
             return self._committed(ev)
+        ev.free_bytes = st.f_bavail * st.f_frsize
         if st.f_blocks == 0:  # no figures (ramfs, some FUSE layers): nothing to keep
             return 1 << 62
         unwritten = sum(max(0, m.granted - m.reserved - m.returned) for m in ev.members.values()
@@ -649,9 +669,12 @@ class RootKeeper:
                 ev.members[mid].granted += n
                 room -= n
         grants = {mid: m.granted for mid, m in ev.members.items() if m.alive}
-        if grants != ev.grants_written or not os.path.exists(os.path.join(self.dir, _GRANTS)):
-            _write_record(os.path.join(self.dir, _GRANTS),
-                        {"evictor": self.member_id, "log_gen": ev.log_gen, "grants": grants,
-                         "horizon_s": ev.horizon_s},
-                        self.file_mode)
-            ev.grants_written = grants
+        room_blocks = max(0, room) // fb
+        if (grants != ev.grants_written or not os.path.exists(os.path.join(self.dir, _GRANTS))
+                or (room_blocks != ev.room_written and now >= ev.written_at + 1.0)):
+            rec = {"evictor": self.member_id, "log_gen": ev.log_gen, "grants": grants,
+                   "horizon_s": ev.horizon_s, "room": room_blocks * fb}
+            if self.capacity_bytes is None:
+                rec["free_bytes"] = ev.free_bytes
+            _write_record(os.path.join(self.dir, _GRANTS), rec, self.file_mode)
+            ev.grants_written, ev.room_written, ev.written_at = grants, room_blocks, now
