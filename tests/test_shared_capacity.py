@@ -183,7 +183,7 @@ def test_a_store_larger_than_the_grant_waits_then_keys_without_room_fail(tmp_pat
         assert list(res.failed_keys) == [b"r"]
         assert res.failed_keys[b"r"].startswith("no capacity: the shared root's evictor granted "
                                                 "no room within 10 s")
-        assert f"reports room 0 B left" in res.failed_keys[b"r"]  # the evictor's own word
+        assert "reports room 0 B left" in res.failed_keys[b"r"]  # the evictor's own word
         assert names(root) == {name_of(t, b"p"), name_of(t, b"q")}
     finally:
         t.shutdown()
