@@ -2,8 +2,10 @@
 
 Reports the kernel; io_uring (whether rings can be set up, which setup flags and opcodes work, and
 the operations the engine relies on really run in the root: openat into a fixed-file slot, fixed
-reads/writes, statx, renameat, unlinkat); O_DIRECT at the root and its DIO alignment (statx
-STATX_DIOALIGN); whether the root's file system checksums file data (then the tier's
+reads/writes, statx, renameat, unlinkat); the root's file system (mountinfo's type and statfs's
+f_type); O_DIRECT at the root, its DIO alignment (statx STATX_DIOALIGN) and whether the file
+system enforces it (an unaligned O_DIRECT transfer refused: O_DIRECT reaches the block layer;
+taken: FUSE, tmpfs, NFS); whether the root's file system checksums file data (then the tier's
 ``verify="header"`` is suggested); RLIMIT_MEMLOCK (registered buffers pin memory); the GPU and driver; kvikio,
 cuFile / GPUDirect Storage; and the paths host-arena and GPU-arena loads take, with the reason.
 Runs everywhere (a machine without a GPU, kvikio or even io_uring is explained, not an error);
@@ -186,6 +188,10 @@ def _root(root: str) -> dict[str, Any]:
             probe_dir = os.path.dirname(probe_dir)
         out["probed_instead"] = probe_dir
     out.update(_mount_of(probe_dir))
+    try:  # the file system as the kernel names it to the engine (FUSE: 0x65735546, NFS: 0x6969)
+        out["statfs_type"] = _native.statfs_type(probe_dir)
+    except OSError:
+        out["statfs_type"] = None
     if not os.path.lexists(root):
         out["created_under"] = probe_dir  # the existing directory the tier would create it in
     out["mount_warning"] = (None if "problem" in out  # not a directory: nothing to create
@@ -201,7 +207,8 @@ def _root(root: str) -> dict[str, Any]:
         out["o_direct"] = dict(_native.probe_direct(probe_dir))
     except ValueError as exc:  # no file can be created there: no tier either
         out["o_direct"] = {"direct": False, "reason": str(exc), "mem_align": None, "offset_align": None,
-                           "dioalign_from_statx": False}
+                           "dioalign_from_statx": False, "alignment_enforced": None,
+                           "alignment_probe": "not probed: no file can be created there"}
         out.setdefault("problem", f"not usable: {exc}")
     out["writable"] = os.access(probe_dir, os.W_OK)
     out["probe_dir"] = probe_dir
@@ -395,9 +402,27 @@ def _io_uring_rows(row: _Rows, u: dict[str, Any]) -> None:
         + ("" if not failed else "; failed: " + "; ".join(failed)))
 
 
+def _alignment_lines(od: dict[str, Any]) -> list[str]:
+    """What the O_DIRECT probe found of alignment: enforced or not, what it means, what was tried."""
+    enforced = od.get("alignment_enforced")
+    if enforced is True:
+        what = ("alignment enforced: yes (an unaligned O_DIRECT transfer is refused): O_DIRECT "
+                "goes to the block layer")
+    elif enforced is False:
+        what = ("alignment enforced: no (unaligned O_DIRECT transfers are taken): O_DIRECT here is "
+                "not the block layer's direct path (FUSE, tmpfs and NFS take any alignment, through "
+                "the FUSE daemon, the page cache or the server; btrfs falls back to buffered I/O for "
+                "an unaligned transfer)")
+    else:
+        what = "alignment enforced: unknown"
+    probed = od.get("alignment_probe")
+    return [what] + ([f"probed: {probed}"] if probed else [])
+
+
 def _root_rows(row: _Rows, r: dict[str, Any]) -> None:
     fs = f"{r.get('fstype', '?')} on {r.get('source', '?')}"
-    free = f"{_size(r.get('free_bytes'))} free"
+    ftype = r.get("statfs_type")
+    free = f"{_size(r.get('free_bytes'))} free" + (f"; statfs f_type {ftype:#x}" if isinstance(ftype, int) else "")
     if r.get("created_under"):
         row("root", f"{r['path']}: missing; the tier would create it under {r['created_under']}, "
                     f"on {fs} (mounted at {r.get('mount', '?')}), {free}")
@@ -417,7 +442,8 @@ def _root_rows(row: _Rows, r: dict[str, Any]) -> None:
         row("root PROBLEM", r["problem"], "pykvtier cannot store blocks here (doctor exits 1)")
     elif od.get("direct"):
         src = "statx STATX_DIOALIGN" if od.get("dioalign_from_statx") else "assumed (no STATX_DIOALIGN)"
-        row("O_DIRECT", f"yes; DIO alignment: memory {od['mem_align']} B, offset {od['offset_align']} B ({src})")
+        row("O_DIRECT", f"yes; DIO alignment: memory {od['mem_align']} B, offset {od['offset_align']} B ({src})",
+            *_alignment_lines(od))
     else:
         row("O_DIRECT", f"no: {od.get('reason')}; the tier falls back to buffered I/O (logged, counted)")
     cs = r["data_checksums"]

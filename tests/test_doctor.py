@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pykvtier import doctor
+from pykvtier import _native, doctor
 from pykvtier.cli import main
 
 SECTIONS = {"pykvtier", "kernel", "io_uring", "root", "memlock", "gpu", "gds", "paths"}
@@ -32,7 +32,9 @@ def test_json_has_every_section_and_key(report, capsys):
     assert {"OPENAT", "READ_FIXED", "STATX", "RENAMEAT", "UNLINKAT"} <= set(u["ops"])
     r = rep["root"]
     assert r["path"] == os.path.abspath(root) and r["exists"] and r["fstype"]
-    assert {"direct", "mem_align", "offset_align", "dioalign_from_statx", "reason"} <= set(r["o_direct"])
+    assert {"direct", "mem_align", "offset_align", "dioalign_from_statx", "reason", "alignment_enforced",
+            "alignment_probe"} <= set(r["o_direct"])
+    assert r["statfs_type"] == _native.statfs_type(root)
     assert {"soft", "hard", "unlimited", "note"} <= set(rep["memlock"])
     assert {"devices", "driver_version", "nvidia_smi", "torch", "cuda_available"} <= set(rep["gpu"])
     g = rep["gds"]
@@ -367,3 +369,107 @@ def test_btrfs_root_checksums_data_unless_nodatasum_or_nocow(btrfs_mount, capsys
     assert r["data_checksums"] == {"checksums": False, "suggested_verify": "payload",
                                    "reason": "btrfs mounted nodatasum: data blocks carry no checksums"}
     assert "data checksums  no: btrfs mounted nodatasum" in text
+
+
+# ------------------------------------------------------------------------- O_DIRECT alignment
+
+EXT4_MAGIC, TMPFS_MAGIC, BTRFS_MAGIC = 0xEF53, 0x01021994, 0x9123683E
+
+
+def _tries(verb: str, outcome: str, unit: int = 4096) -> str:
+    """The probe's alignment_probe where both of its unaligned transfers answered ``outcome``."""
+    return (f"an O_DIRECT {verb} of {unit} B at file offset 1: {outcome}; "
+            f"an O_DIRECT {verb} of {unit} B from memory 1 byte past its alignment: {outcome}")
+
+
+def _direct_truth(where: str) -> tuple[bool, bool | None]:
+    """What plain syscalls say of where's file system: (an aligned O_DIRECT write works,
+    an unaligned one -- at offset 1 -- is refused with EINVAL), without the probe."""
+    import errno
+    import mmap
+
+    path = os.path.join(where, "truth")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        assert exc.errno == errno.EINVAL
+        return False, None
+    try:
+        buf = mmap.mmap(-1, 8192)  # page-aligned
+        assert os.pwrite(fd, memoryview(buf)[:4096], 0) == 4096
+        try:
+            os.pwrite(fd, memoryview(buf)[:4096], 1)
+            return True, False
+        except OSError as exc:
+            assert exc.errno == errno.EINVAL
+            return True, True
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_alignment_is_enforced_on_ext4(tmp_path, capsys):
+    """This machine's test directory is on ext4 (a block device): an unaligned O_DIRECT
+    transfer is refused, EINVAL, at an unaligned offset and from unaligned memory alike."""
+    if _native.statfs_type(str(tmp_path)) != EXT4_MAGIC:
+        pytest.skip(f"{tmp_path} is not on ext4 here")
+    p = _native.probe_direct(str(tmp_path))
+    assert (p["direct"], p["alignment_enforced"]) == (True, True)
+    assert p["alignment_probe"] == _tries("write", "refused, Invalid argument")
+    assert os.listdir(tmp_path) == []
+    assert main(["doctor", "--root", str(tmp_path), "--json", "--no-gpu"]) == 0
+    r = json.loads(capsys.readouterr().out)["root"]
+    assert r["o_direct"] == p and r["statfs_type"] == EXT4_MAGIC
+    assert main(["doctor", "--root", str(tmp_path), "--no-gpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("O_DIRECT  "))
+    assert lines[at + 1:at + 3] == [
+        " " * 16 + "alignment enforced: yes (an unaligned O_DIRECT transfer is refused): O_DIRECT goes "
+                   "to the block layer",
+        " " * 16 + "probed: " + p["alignment_probe"]]
+    assert any(ln.startswith("root  ") and ln.endswith("; statfs f_type 0xef53") for ln in lines)
+
+
+def test_alignment_on_a_fresh_tmpfs_is_what_the_kernel_does():
+    """tmpfs: whether it takes O_DIRECT at all depends on the kernel (it does from 6.6, through
+    the page cache, so any alignment); the probe must say what plain syscalls find."""
+    from test_engine_hardening import mounted
+
+    with mounted("tmpfs", "size=4m") as where:
+        direct, enforced = _direct_truth(where)
+        p = _native.probe_direct(where)
+        assert (p["direct"], p["alignment_enforced"]) == (direct, enforced)
+        if direct:  # (this machine's kernel: 6.x, it does; both unaligned writes are taken)
+            assert enforced is False
+            assert p["alignment_probe"] == _tries("write", "taken (4096 B)")
+        else:
+            assert p["alignment_probe"] == ""
+        assert os.listdir(where) == []
+        text = doctor.format_text(doctor.collect(where, no_gpu=True))
+        if direct:
+            assert ("alignment enforced: no (unaligned O_DIRECT transfers are taken): O_DIRECT here is "
+                    "not the block layer's direct path") in text
+        assert "; statfs f_type 0x1021994" in text
+
+
+def test_alignment_on_btrfs_is_not_enforced(btrfs_mount):
+    """btrfs takes an unaligned O_DIRECT transfer by falling back to buffered I/O for it, so
+    alignment is not enforced there although its aligned O_DIRECT is the direct path."""
+    root = btrfs_mount("rw")
+    assert _native.statfs_type(root) == BTRFS_MAGIC
+    assert _direct_truth(root) == (True, False)
+    p = _native.probe_direct(root)
+    assert (p["direct"], p["alignment_enforced"]) == (True, False)
+    assert p["alignment_probe"] == _tries("write", "taken (4096 B)")
+
+
+def test_alignment_unknown_without_o_direct(monkeypatch):
+    """No O_DIRECT (ramfs refuses it): nothing to probe, unknown; the text says no O_DIRECT."""
+    from test_engine_hardening import mounted
+
+    with mounted("ramfs") as where:
+        p = _native.probe_direct(where)
+        assert (p["direct"], p["alignment_enforced"], p["alignment_probe"]) == (False, None, "")
+        text = doctor.format_text(doctor.collect(where, no_gpu=True))
+        assert "O_DIRECT        no: open(O_DIRECT) failed: Invalid argument" in text
+        assert "alignment enforced" not in text

@@ -529,6 +529,11 @@ def test_probe_on_a_full_file_system(aligned):
             assert "full (No space left on device)" in p["reason"] and block in p["reason"], p
             # (whether this kernel's tmpfs takes O_DIRECT: the read answered, and says which)
             assert p["direct"] is p["reason"].startswith("ok"), p
+            # where it does, it takes unaligned reads too (through the page cache): not enforced
+            assert p["alignment_enforced"] is (False if p["direct"] else None), p
+            assert p["alignment_probe"] == ("" if not p["direct"] else
+                                            "an O_DIRECT read of 4096 B at file offset 1: taken (4096 B); an O_DIRECT "
+                                            "read of 4096 B from memory 1 byte past its alignment: taken (4096 B)"), p
         assert sorted(os.listdir(blocks)) == ["ab"] and os.listdir(os.path.join(blocks, "ab")) == ["b.kvb"]
         os.unlink(block)  # nothing left to read; full again
         fill(where, "more")

@@ -227,15 +227,22 @@ def test_removed_through_a_then_loaded_through_b_fails_that_block_alone(nodes, h
     # that it loads. No clock of the test's moves that cache.)
 
 
+JUICEFS_ALIGNMENT_PROBE = (
+    "an O_DIRECT write of 4096 B at file offset 1: taken (4096 B); "
+    "an O_DIRECT write of 4096 B from memory 1 byte past its alignment: taken (4096 B)")
+
+
 def test_o_direct_on_juicefs_is_accepted_and_not_enforced(shared_roots, make_tier, arena):
     """What JuiceFS (FUSE) does with O_DIRECT, and what DiskTier chooses there: the probe finds
     O_DIRECT accepted; no STATX_DIOALIGN, so 4096 is assumed; JuiceFS does not enforce any
-    alignment (an O_DIRECT write and read at offset 1 of 3 bytes succeed), so the probe cannot
-    tell a real alignment from none. DiskTier(direct=None) uses O_DIRECT with 4096."""
+    alignment (an O_DIRECT write and read at offset 1 of 3 bytes succeed), which the probe
+    reports (alignment_enforced False: O_DIRECT there is not the block layer's direct path).
+    DiskTier(direct=None) uses O_DIRECT with 4096."""
     ra, rb = shared_roots
     dio = _native.probe_direct(ra)
     assert dio == {"direct": True, "mem_align": 4096, "offset_align": 4096,
-                   "dioalign_from_statx": False, "reason": "ok"}
+                   "dioalign_from_statx": False, "reason": "ok", "alignment_enforced": False,
+                   "alignment_probe": JUICEFS_ALIGNMENT_PROBE}
     path = os.path.join(ra, "odirect")
     buf = mmap.mmap(-1, 8192)
     buf.write(b"x" * 8192)
@@ -263,7 +270,9 @@ def test_doctor_reports_fuse_juicefs(sharedfs):
     root = json.loads(out)["root"]
     assert (root["fstype"], root["source"], root["mount"]) == ("fuse.juicefs", "JuiceFS:pykvtier", a)
     assert root["o_direct"] == {"direct": True, "mem_align": 4096, "offset_align": 4096,
-                                "dioalign_from_statx": False, "reason": "ok"}
+                                "dioalign_from_statx": False, "reason": "ok", "alignment_enforced": False,
+                                "alignment_probe": JUICEFS_ALIGNMENT_PROBE}
+    assert root["statfs_type"] == 0x65735546  # FUSE_SUPER_MAGIC
     assert root["data_checksums"]["checksums"] is False
     text = subprocess.run(
         [sys.executable, "-P", "-c", "import sys; from pykvtier.cli import main; "
@@ -271,9 +280,14 @@ def test_doctor_reports_fuse_juicefs(sharedfs):
         check=True, capture_output=True, text=True).stdout
     lines = text.splitlines()
     assert [ln for ln in lines if ln.startswith("root  ")] == [
-        f"root            {a}: fuse.juicefs on JuiceFS:pykvtier, {_size(root['free_bytes'])} free"]
-    assert [ln for ln in lines if ln.startswith("O_DIRECT  ")] == [
-        "O_DIRECT        yes; DIO alignment: memory 4096 B, offset 4096 B (assumed (no STATX_DIOALIGN))"]
+        f"root            {a}: fuse.juicefs on JuiceFS:pykvtier, {_size(root['free_bytes'])} free; "
+        "statfs f_type 0x65735546"]
+    at = lines.index("O_DIRECT        yes; DIO alignment: memory 4096 B, offset 4096 B (assumed (no STATX_DIOALIGN))")
+    assert lines[at + 1:at + 3] == [
+        " " * 16 + "alignment enforced: no (unaligned O_DIRECT transfers are taken): O_DIRECT here is not the "
+                   "block layer's direct path (FUSE, tmpfs and NFS take any alignment, through the FUSE daemon, "
+                   "the page cache or the server; btrfs falls back to buffered I/O for an unaligned transfer)",
+        " " * 16 + "probed: " + JUICEFS_ALIGNMENT_PROBE]
 
 
 def test_the_roots_lock_holds_across_nodes(shared_roots, make_tier):

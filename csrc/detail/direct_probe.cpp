@@ -49,6 +49,48 @@ int direct_io_once(int fd, const DirectProbe& out, bool write) {
   return err;
 }
 
+// Whether fd's file system enforces O_DIRECT alignment (out.alignment_*): one unit moved at file
+// offset 1 from aligned memory, then (where the memory alignment is above 1) at offset 0 from
+// memory 1 byte past it. Refused with EINVAL: enforced; moved (any count): not; anything else
+// (another errno) leaves it unknown. Either refusal makes it enforced (the other is told).
+void probe_alignment(int fd, DirectProbe& out, bool write) {
+  const size_t align = std::max<size_t>(4096, out.mem_align);
+  const size_t unit = std::max<size_t>(4096, out.offset_align);
+  void* mem = nullptr;
+  if (posix_memalign(&mem, align, unit + align) != 0) {
+    out.alignment_probe = "not probed: no memory";
+    return;
+  }
+  std::memset(mem, 0, unit + align);
+  char* buf = static_cast<char*>(mem);
+  const char* verb = write ? "write" : "read";
+  struct Try {
+    const char* what;
+    char* buf;
+    off_t off;
+  };
+  std::vector<Try> tries{{"at file offset 1", buf, 1}};
+  if (out.mem_align > 1) tries.push_back({"from memory 1 byte past its alignment", buf + 1, 0});
+  int refused = 0, taken = 0;
+  std::string said;
+  for (const Try& t : tries) {
+    const ssize_t n = write ? ::pwrite(fd, t.buf, unit, t.off) : ::pread(fd, t.buf, unit, t.off);
+    const int err = n < 0 ? errno : 0;
+    if (!said.empty()) said += "; ";
+    said += std::string("an O_DIRECT ") + verb + " of " + std::to_string(unit) + " B " + t.what + ": ";
+    if (n >= 0) {
+      ++taken;
+      said += "taken (" + std::to_string(n) + " B)";
+    } else {
+      if (err == EINVAL) ++refused;
+      said += std::string(err == EINVAL ? "refused, " : "") + std::strerror(err);
+    }
+  }
+  free(mem);
+  out.alignment_enforced = refused > 0 ? 1 : taken == int(tries.size()) ? 0 : -1;
+  out.alignment_probe = said;
+}
+
 // A full file system: the probe cannot write, so it reads. The first regular file of at least
 // one O_DIRECT unit under dir (dir itself, then its subdirectories: blocks/ab/*.kvb), reached
 // without following links, is read with O_DIRECT. Returns true when that answered.
@@ -85,6 +127,7 @@ bool probe_by_reading(const std::string& dir, int full_err, DirectProbe& out) {
       }
       dio_align(fd, out);
       const int err = direct_io_once(fd, out, false);
+      if (err == 0) probe_alignment(fd, out, false);
       ::close(fd);
       out.direct = err == 0;
       out.reason = err == 0 ? "ok (" + why + ": an aligned O_DIRECT read of " + name + ")"
@@ -141,6 +184,7 @@ DirectProbe probe_direct(const std::string& dir, bool use_tmpfile) {
   }
   dio_align(fd, out);
   const int werr = direct_io_once(fd, out, true);
+  if (werr == 0) probe_alignment(fd, out, true);
   ::close(fd);
   if (werr == 0) {
     out.direct = true;

@@ -221,12 +221,21 @@ void register_checksums_and_direct_probe(py::module_& m) {
         d["offset_align"] = p.offset_align;
         d["dioalign_from_statx"] = p.dioalign_from_statx;
         d["reason"] = p.reason;
+        d["alignment_enforced"] = p.alignment_enforced < 0 ? py::object(py::none()) : py::bool_(p.alignment_enforced > 0);
+        d["alignment_probe"] = p.alignment_probe;
         return d;
       },
       py::arg("dir"), py::arg("tmpfile") = true,
       "Whether dir's file system accepts O_DIRECT, and its alignment in bytes.\n"
       "Returns a dict: direct (bool), mem_align, offset_align (bytes; from statx STATX_DIOALIGN\n"
-      "where the kernel reports it, else 4096), dioalign_from_statx, reason.\n"
+      "where the kernel reports it, else 4096), dioalign_from_statx, reason,\n"
+      "alignment_enforced, alignment_probe. alignment_enforced (where direct): True when an\n"
+      "unaligned O_DIRECT transfer (at file offset 1; from memory 1 byte past the alignment) is\n"
+      "refused with EINVAL, as a file system that hands O_DIRECT to the block layer refuses it;\n"
+      "False when both are taken: O_DIRECT there is not the block layer's direct path (FUSE,\n"
+      "tmpfs and NFS take any alignment; btrfs falls back to buffered I/O for an unaligned\n"
+      "transfer); None when unknown (no O_DIRECT, or another error). alignment_probe says what\n"
+      "was tried and what each answered. direct means the same either way.\n"
       "The probe file is an O_TMPFILE (never named); where the file system has none (or\n"
       "tmpfile=False, for tests) a named .pykvtier-direct-probe-PID[-N] file, removed at once\n"
       "(a name taken already, e.g. a leftover of an earlier process, is skipped). No file is\n"
