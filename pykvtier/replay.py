@@ -59,6 +59,11 @@ __all__ = [
     "ReplayCounters",
     "ReplayDriver",
     "run_replay",
+    "NODES_DEAL",
+    "NodeResult",
+    "NodesReplay",
+    "run_nodes",
+    "format_nodes",
     "add_arguments",
     "main",
 ]
@@ -894,11 +899,13 @@ def run_replay(
     requests: Sequence[Request] | None = None,
     *,
     tier_factory: Callable[[str, int, int | None, str], Any] | None = None,
+    driver_factory: Callable[..., ReplayDriver] | None = None,
 ) -> ReplaySummary:
     """Replay ``requests`` (default: ``load_trace(config.trace, config.max_requests)``).
 
     ``tier_factory(root, block_size_bytes, capacity_bytes, engine)`` makes the tier
-    (default: :class:`pykvtier.DiskTier`).
+    (default: :class:`pykvtier.DiskTier`); ``driver_factory`` takes ReplayDriver's arguments
+    and makes the driver (default: ReplayDriver; ``--nodes`` records keys through a subclass).
 
     Without ``config.root`` the blocks go to a temporary directory, removed when the replay
     ends, however it ends: an error, or SIGINT/SIGTERM at any point (called from the main
@@ -936,7 +943,8 @@ def run_replay(
         except ValueError as exc:  # bad engine, unusable root, capacity below one block, ...
             raise ReplayConfigError(f"cannot open the tier at {root}: {exc}") from exc
         opened.tier.set_arena(arena)
-        driver = ReplayDriver(opened.tier, arena, bs, tpb, guard, _Progress(len(requests), config.progress))
+        driver = (driver_factory or ReplayDriver)(opened.tier, arena, bs, tpb, guard,
+                                                  _Progress(len(requests), config.progress))
         wall, cpu = driver.run(requests)
         summary = _summarize(driver, config, preset.name, trace_name, root, nslots * bs, len(requests),
                              wall, cpu)
@@ -947,6 +955,547 @@ def run_replay(
         root_removed = opened.close(guard, unwinding)
     summary.root_removed = root_removed
     return summary
+
+
+# --------------------------------------------------------------------------------------
+# the replay across nodes (``pykvtier replay --nodes ROOT_A,ROOT_B``)
+
+#: How ``--nodes`` deals the requests out: request i (in trace order) to node i mod N. The
+#: Mooncake format has no conversation or session field to deal by; dealing by order spreads
+#: the prefixes that later requests reuse over the nodes, as a balancer without prefix affinity.
+NODES_DEAL = "round robin by request order"
+_NODES_DIR_PREFIX = "pykvtier-replay-nodes-"
+_LOST_REASON = "ENOENT"  # a load's reason for a block file that is gone (an eviction)
+
+
+class _CountingPattern(BlockPattern):
+    """A BlockPattern that counts the bytes :meth:`matches` compared (``bytes_compared``)."""
+
+    def __init__(self, block_size_bytes: int) -> None:
+        super().__init__(block_size_bytes)
+        self.bytes_compared = 0
+
+    def matches(self, data: np.ndarray, key: bytes) -> bool:
+        self.bytes_compared += data.nbytes
+        return super().matches(data, key)
+
+
+class _VerifyCountingDriver(ReplayDriver):
+    """ReplayDriver whose checks of loaded blocks count the bytes they compared
+    (``pattern.bytes_compared``); nothing else differs."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.pattern = _CountingPattern(self.block_size)
+
+
+class _NodeDriver(_VerifyCountingDriver):
+    """The driver of one node of ``--nodes``. Besides what ReplayDriver counts, it records each
+    key it stored (``stored``: the submit time of its first successful store) and each block it
+    loaded and checked (``loaded``, ``loaded_t``: key and the time its load finished, in order),
+    and counts a load that found its block file gone (ENOENT: a block evicted from the shared
+    root after this node's lookup found it; an engine recomputes it) in ``load_lost_keys``
+    instead of as an error. Times are ``time.perf_counter()``: on Linux the machine's monotonic
+    clock, one clock for all the node processes (they run on this machine)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.stored: dict[bytes, float] = {}
+        self.loaded: list[bytes] = []
+        self.loaded_t: list[float] = []
+        self.load_lost_keys = 0
+
+    def _count_failures(self, r: Any, p: _Pending, ok_keys: set[bytes]) -> None:
+        if p.is_load:
+            reasons = getattr(r, "failed_keys", None) or {}
+            lost = {k for k in p.keys
+                    if k not in ok_keys and str(reasons.get(k, "")).startswith(_LOST_REASON)}
+            if lost:
+                self.load_lost_keys += sum(1 for k in p.keys if k in lost)
+                ok_keys = ok_keys | lost  # (not failures; _check_loaded still skips them)
+        super()._count_failures(r, p, ok_keys)
+
+    def _check_loaded(self, r: Any, p: _Pending, ok_keys: set[bytes], now: float) -> None:
+        super()._check_loaded(r, p, ok_keys, now)
+        for key in p.keys:
+            if key in ok_keys:
+                self.loaded.append(key)
+                self.loaded_t.append(now)
+
+    def _count_stored(self, r: Any, p: _Pending, ok_keys: set[bytes], now: float) -> None:
+        super()._count_stored(r, p, ok_keys, now)
+        for key in p.keys:
+            if key in ok_keys:
+                self.stored.setdefault(key, p.submit_t)
+
+
+def _shared_tier(root: str, block_size: int, capacity: int | None, engine: str) -> Any:
+    """A node's tier: :class:`pykvtier.DiskTier` with ``shared=True``."""
+    from . import DiskTier
+
+    return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine, shared=True)
+
+
+def _node_main(conn: Any, start: Any, root: str, config: ReplayConfig, requests: list[Request],
+               tier_factory: Callable[[str, int, int | None, str], Any]) -> None:
+    """One node of ``--nodes``, in a process of its own (spawned): replays ``requests`` on the
+    tier ``tier_factory`` makes at ``root`` once every node's tier is open (``start``, a
+    barrier), and sends ``("ok", payload)`` through ``conn``, or ``(kind, message)``."""
+    drivers: list[_NodeDriver] = []
+
+    def factory(r: str, bs: int, cap: int | None, engine: str) -> Any:
+        tier = tier_factory(r, bs, cap, engine)
+        try:
+            start.wait()  # every node's tier is open: the replays start together
+        except BaseException:
+            tier.shutdown()
+            raise
+        return tier
+
+    def make_driver(*args: Any) -> _NodeDriver:
+        drivers.append(_NodeDriver(*args))
+        return drivers[-1]
+
+    try:
+        s = run_replay(config, requests, tier_factory=factory, driver_factory=make_driver)
+    except KeyboardInterrupt:
+        sys.exit(130)  # (the parent reports the interruption)
+    except threading.BrokenBarrierError:
+        conn.send(("aborted", "stopped before its replay started: another node failed"))
+        sys.exit(1)
+    except (ReplayConfigError, _models.UnknownModelError) as exc:
+        conn.send(("config", str(exc)))
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - reported by the parent, which fails the run
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    d = drivers[0]
+    conn.send(("ok", {
+        "summary": s.to_dict(),
+        "stored_keys": b"".join(d.stored), "stored_t": list(d.stored.values()),
+        "loaded_keys": b"".join(d.loaded), "loaded_t": d.loaded_t,
+        "bytes_verified": d.pattern.bytes_compared, "load_lost_keys": d.load_lost_keys,
+        "load_latencies": d.counters.load_latencies, "load_intervals": d.counters.load_intervals,
+    }))
+
+
+def _summary_of(d: dict[str, Any]) -> ReplaySummary:
+    return ReplaySummary(**{f.name: d[f.name] for f in fields(ReplaySummary)})
+
+
+def _split_keys(joined: bytes) -> list[bytes]:
+    return [joined[i : i + _KEY.size] for i in range(0, len(joined), _KEY.size)]
+
+
+@dataclass
+class NodeResult:
+    """One node of a ``--nodes`` replay: its summary and what it stored and loaded."""
+
+    node: int
+    root: str
+    summary: ReplaySummary
+    stored: dict[bytes, float]  # key -> submit time of its first successful store
+    loaded: list[bytes]  # each block it loaded and checked, in order (a key once per load)
+    loaded_t: list[float]  # when each of those loads finished
+    bytes_verified: int  # bytes its checks compared with the key's bytes
+    load_lost_keys: int  # blocks its lookup found whose file was gone at the load (ENOENT)
+    load_latencies: list[float]
+    load_intervals: list[tuple[float, float]]
+    #: per loaded block, who had stored its key (the join of every node's stored keys):
+    #: "own" (this node alone), "cross-node" (other nodes alone), "both" (this node and another:
+    #: which copy was read cannot be told), "none" (no node of the run: must not happen)
+    loaded_from: list[str] = field(default_factory=list)
+    #: cross-node blocks whose every other-node store was submitted after the load finished
+    #: (impossible: the join would be wrong); must be 0
+    cross_stored_after_load: int = 0
+
+    def count(self, source: str) -> int:
+        return sum(1 for s in self.loaded_from if s == source)
+
+
+@dataclass
+class NodesReplay:
+    """Result of :func:`run_nodes`: every node's replay, their total, and the single-node
+    replay of the same requests."""
+
+    trace: str
+    deal: str
+    base: str  # the fresh directory (under the first root) that held both runs' roots
+    base_removed: bool
+    nodes: list[NodeResult]
+    single: ReplaySummary  # a plain replay (one process, shared=False) of all the requests
+    single_bytes_verified: int
+    total: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # what fails the run besides the summaries
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.single.ok and all(n.summary.ok for n in self.nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes = []
+        for n in self.nodes:
+            nodes.append({"node": n.node, **_nodes_row([n]), "summary": n.summary.to_dict()})
+        return {
+            "trace": self.trace, "deal": self.deal, "base": self.base,
+            "base_removed": self.base_removed, "nodes": nodes, "total": self.total,
+            "single_node": {**_single_row(self.single, self.single_bytes_verified),
+                            "summary": self.single.to_dict()},
+            "problems": self.problems, "ok": self.ok,
+        }
+
+
+def _nodes_row(nodes: Sequence[NodeResult]) -> dict[str, Any]:
+    """The figures of one node, or the total of several (sums; latency percentiles over all
+    their loads; GB/s: the bytes over the union of the time their loads were in flight)."""
+    ss = [n.summary for n in nodes]
+
+    def total(name: str) -> int:
+        return sum(int(getattr(s, name)) for s in ss)
+
+    lat = sorted(x for n in nodes for x in n.load_latencies)
+    busy = _union_seconds(iv for n in nodes for iv in n.load_intervals)
+    requested, looked_up, loaded = total("blocks_requested"), total("blocks_looked_up"), total("blocks_loaded")
+    cross = sum(n.count("cross-node") for n in nodes)
+    return {
+        "root": nodes[0].root if len(nodes) == 1 else [n.root for n in nodes],
+        "requests": total("requests"),
+        "blocks_requested": requested,
+        "blocks_looked_up": looked_up,
+        "blocks_hit": total("blocks_hit"),
+        "block_hit_ratio": total("blocks_hit") / requested if requested else 0.0,
+        "blocks_loaded": loaded,
+        "blocks_loaded_cross_node": cross,
+        "blocks_loaded_both": sum(n.count("both") for n in nodes),
+        "blocks_loaded_own": sum(n.count("own") for n in nodes),
+        "blocks_loaded_unattributed": sum(n.count("none") for n in nodes),
+        "cross_node_hit_ratio": cross / loaded if loaded else 0.0,
+        "cross_node_of_looked_up": cross / looked_up if looked_up else 0.0,
+        "cross_stored_after_load": sum(n.cross_stored_after_load for n in nodes),
+        "load_lost_keys": sum(n.load_lost_keys for n in nodes),
+        "bytes_loaded": total("bytes_loaded"),
+        "bytes_verified": sum(n.bytes_verified for n in nodes),
+        "load_latency_ms_p50": None if not lat else _percentile(lat, 50) * 1e3,
+        "load_latency_ms_p99": None if not lat else _percentile(lat, 99) * 1e3,
+        "load_latency_ms_max": None if not lat else lat[-1] * 1e3,
+        "load_busy_s": busy,
+        "load_gbps": sum(s.bytes_loaded for s in ss) / busy / 1e9 if busy > 0 else 0.0,
+        "blocks_stored": total("blocks_stored"),
+        "bytes_stored": total("bytes_stored"),
+        "distinct_keys_stored": len(set().union(*(n.stored for n in nodes))),
+        "evictions": total("evictions"),
+        "verification_failures": total("verification_failures"),
+        "errors": total("errors"),
+        "cpu_s": sum(s.cpu_s for s in ss),
+        "wall_s": max(s.wall_s for s in ss),
+    }
+
+
+def _single_row(s: ReplaySummary, bytes_verified: int) -> dict[str, Any]:
+    """The single-node replay's figures under _nodes_row's names (no cross-node ones)."""
+    names = ("requests", "blocks_requested", "blocks_looked_up", "blocks_hit", "block_hit_ratio",
+             "blocks_loaded", "bytes_loaded", "load_latency_ms_p50", "load_latency_ms_p99",
+             "load_latency_ms_max", "load_busy_s", "load_gbps", "blocks_stored", "bytes_stored",
+             "evictions", "verification_failures", "errors", "cpu_s", "wall_s")
+    return {"root": s.root, **{k: getattr(s, k) for k in names}, "bytes_verified": bytes_verified}
+
+
+def _attribute(nodes: Sequence[NodeResult]) -> None:
+    """Fills each node's ``loaded_from`` by the join of every node's stored keys, and its
+    ``cross_stored_after_load``."""
+    storers: dict[bytes, int] = {}  # key -> bit mask of the nodes that stored it
+    for n in nodes:
+        bit = 1 << n.node
+        for key in n.stored:
+            storers[key] = storers.get(key, 0) | bit
+    for n in nodes:
+        me = 1 << n.node
+        out = n.loaded_from = []
+        for key, t in zip(n.loaded, n.loaded_t):
+            mask = storers.get(key, 0)
+            if not mask:
+                out.append("none")
+            elif mask == me:
+                out.append("own")
+            elif mask & me:
+                out.append("both")
+            else:
+                out.append("cross-node")
+                if not any(o.stored[key] < t for o in nodes if mask >> o.node & 1):
+                    n.cross_stored_after_load += 1
+
+
+def _node_roots(roots: Sequence[str]) -> list[str]:
+    """The roots of ``--nodes``: absolute paths of existing directories, at least two."""
+    if len(roots) < 2:
+        raise ReplayConfigError(f"--nodes needs at least two roots (comma-separated), got {len(roots)}")
+    out = []
+    for r in roots:
+        if not r:
+            raise ReplayConfigError("--nodes: an empty root (it would mean the current directory)")
+        path = os.path.abspath(os.path.expanduser(r))
+        if not os.path.isdir(path):
+            raise ReplayConfigError(f"--nodes: {path} is not a directory (each root is a node's "
+                                    "mount of one shared directory)")
+        out.append(path)
+    return out
+
+
+def _check_one_directory(roots: Sequence[str], name: str) -> None:
+    """``name`` (a fresh directory under the first root, holding a file ``check`` with a token)
+    shows the same file through every root; else ReplayConfigError: they are not one
+    directory, and no node could find another's blocks."""
+    with open(os.path.join(roots[0], name, "check"), "rb") as f:
+        token = f.read()
+    for r in roots[1:]:
+        try:
+            with open(os.path.join(r, name, "check"), "rb") as f:
+                seen = f.read()
+        except OSError as exc:
+            seen = exc
+        if seen != token:
+            why = (seen.strerror or str(seen)) if isinstance(seen, OSError) else "other bytes"
+            raise ReplayConfigError(
+                f"--nodes: {r} does not show what was written through {roots[0]} "
+                f"({os.path.join(r, name, 'check')}: {why}): the roots must be mounts of one "
+                "shared directory (or one path given twice)")
+
+
+def _deal(requests: Sequence[Request], n: int) -> list[list[Request]]:
+    """:data:`NODES_DEAL`: request i to node i mod n, each node's share in trace order."""
+    return [list(requests[i::n]) for i in range(n)]
+
+
+def _run_node_processes(config: ReplayConfig, node_roots: Sequence[str],
+                        shares: Sequence[list[Request]],
+                        tier_factory: Callable[[str, int, int | None, str], Any]) -> list[dict[str, Any]]:
+    """Runs a process per node (spawned, concurrent: each starts its replay once all tiers are
+    open) and returns their payloads in node order; ReplayConfigError or RuntimeError naming
+    the first node that failed. Children still running when this unwinds are sent SIGTERM
+    (their replay cleans up) and waited for."""
+    import multiprocessing
+    from multiprocessing.connection import wait as wait_any
+
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(len(node_roots))
+    procs: list[Any] = []
+    conns: dict[Any, int] = {}
+    results: list[Any] = [None] * len(node_roots)
+    try:
+        for i, (root, share) in enumerate(zip(node_roots, shares)):
+            recv, send = ctx.Pipe(duplex=False)
+            node_config = ReplayConfig(**{**asdict(config), "root": root, "progress": False})
+            p = ctx.Process(target=_node_main, args=(send, start, root, node_config, share, tier_factory),
+                            name=f"pykvtier-replay-node{i}", daemon=True)
+            p.start()
+            send.close()
+            procs.append(p)
+            conns[recv] = i
+        while conns:
+            for conn in wait_any(list(conns)):
+                i = conns.pop(conn)
+                try:
+                    results[i] = conn.recv()
+                except EOFError:  # it ended without a word
+                    procs[i].join()
+                    results[i] = ("died", f"ended with exit status {procs[i].exitcode} before its result")
+                conn.close()
+                if results[i][0] != "ok":
+                    start.abort()  # the others stop waiting for it
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+    failed = [(i, r) for i, r in enumerate(results) if r[0] != "ok"]
+    first = next((f for f in failed if f[1][0] != "aborted"), failed[0] if failed else None)
+    if first is not None:
+        i, (kind, msg) = first
+        err = ReplayConfigError if kind == "config" else RuntimeError
+        raise err(f"node {i} ({node_roots[i]}): {msg}")
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"node {bad[0][0]} ({node_roots[bad[0][0]]}) sent its result but ended "
+                           f"with exit status {bad[0][1]}")
+    return [r[1] for r in results]
+
+
+def run_nodes(config: ReplayConfig, roots: Sequence[str], requests: Sequence[Request] | None = None,
+              *, tier_factory: Callable[[str, int, int | None, str], Any] | None = None) -> NodesReplay:
+    """The replay across nodes: the requests (default: ``load_trace(config.trace,
+    config.max_requests)``) dealt out (:data:`NODES_DEAL`) to one process per root, each
+    replaying its share on a ``shared=True`` tier, all at once; beside it a plain replay of all
+    the requests by one process (``shared=False``), first.
+
+    Each of ``roots`` is one node's mount of one shared directory (or the same path more than
+    once). Under the first, a fresh directory (``pykvtier-replay-nodes-*``) holds ``nodes/``, the
+    nodes' tier root (seen through each root), and ``single/``, the single-node replay's; it is
+    removed at the end, however the run ends (as :func:`run_replay`'s temporary root).
+    ``config.root`` must be None. ``tier_factory(root, block_size_bytes, capacity_bytes,
+    engine)`` makes each node's tier, in its process (so a module-level function; default:
+    :class:`pykvtier.DiskTier` with ``shared=True``); the single node's is run_replay's default.
+
+    After the run, every node's stored keys are joined with every node's loaded blocks: a block
+    a node loaded whose key only other nodes stored is a cross-node hit. The run fails
+    (``ok`` False, ``problems``) when a summary does (a wrong byte, an error), when the bytes a
+    node's checks compared differ from its blocks loaded x block size, or when the join finds a
+    loaded block no node stored (or a cross-node hit stored only after it was loaded).
+    """
+    if config.root is not None:
+        raise ReplayConfigError("--nodes takes the roots: no --root with it")
+    roots = _node_roots(roots)
+    _models.get_preset(config.model)
+    _models.validate_tokens_per_block(config.tokens_per_block)
+    requests, trace_name = _requests_of(config, requests)
+    shares = _deal(requests, len(roots))
+    guard = _SignalGuard()
+    base: str | None = None
+    base_removed = False
+    try:
+        guard.install()
+        guard.hold = True  # the directory exists only once its path is recorded
+        try:
+            base = tempfile.mkdtemp(prefix=_NODES_DIR_PREFIX, dir=roots[0])
+        except OSError as exc:
+            raise ReplayConfigError(f"--nodes: cannot make a directory under {roots[0]}: "
+                                    f"{exc.strerror}") from exc
+        finally:
+            guard.hold = False
+        guard.check()
+        name = os.path.basename(base)
+        with open(os.path.join(base, "check"), "wb") as f:
+            f.write(os.urandom(16))
+        os.mkdir(os.path.join(base, "nodes"), 0o700)
+        _check_one_directory(roots, name)
+        node_roots = [os.path.join(r, name, "nodes") for r in roots]
+
+        counting: list[_VerifyCountingDriver] = []
+
+        def single_driver(*args: Any) -> _VerifyCountingDriver:
+            counting.append(_VerifyCountingDriver(*args))
+            return counting[-1]
+
+        single = run_replay(ReplayConfig(**{**asdict(config), "root": os.path.join(base, "single")}),
+                            requests, driver_factory=single_driver)  # (its bar, where config.progress)
+        if config.progress and sys.stderr.isatty():
+            print(f"pykvtier replay --nodes: the single node is done; now {len(roots)} node processes "
+                  "(no progress bars)", file=sys.stderr)
+        payloads = _run_node_processes(config, node_roots, shares, tier_factory or _shared_tier)
+    finally:
+        guard.hold = True  # first (a plain store: no signal handler runs before it)
+        unwinding = sys.exc_info()[1] is not None
+        if base is not None:
+            base_removed = _remove_tree(base)
+        guard.release(unwinding)
+    nodes = []
+    for i, (root, pl) in enumerate(zip(node_roots, payloads)):
+        nodes.append(NodeResult(
+            node=i, root=root, summary=_summary_of(pl["summary"]),
+            stored=dict(zip(_split_keys(pl["stored_keys"]), pl["stored_t"])),
+            loaded=_split_keys(pl["loaded_keys"]), loaded_t=list(pl["loaded_t"]),
+            bytes_verified=pl["bytes_verified"], load_lost_keys=pl["load_lost_keys"],
+            load_latencies=list(pl["load_latencies"]),
+            load_intervals=[tuple(iv) for iv in pl["load_intervals"]]))
+    _attribute(nodes)
+    out = NodesReplay(trace=trace_name, deal=NODES_DEAL, base=base, base_removed=base_removed,
+                      nodes=nodes, single=single, single_bytes_verified=counting[0].pattern.bytes_compared)
+    out.total = _nodes_row(nodes)
+    bs = single.block_size_bytes
+    for label, loaded, verified in (
+            [(f"node {n.node}", n.summary.blocks_loaded, n.bytes_verified) for n in nodes]
+            + [("the single node", single.blocks_loaded, out.single_bytes_verified)]):
+        if verified != loaded * bs:
+            out.problems.append(f"{label}: its checks compared {verified} B, but it loaded "
+                                f"{loaded} blocks x {bs} B = {loaded * bs} B")
+    if out.total["blocks_loaded_unattributed"]:
+        out.problems.append(f"{_plural(out.total['blocks_loaded_unattributed'], 'loaded block')} "
+                            "whose key no node of this run stored")
+    if out.total["cross_stored_after_load"]:
+        out.problems.append(f"{_plural(out.total['cross_stored_after_load'], 'cross-node hit')} "
+                            "loaded before the other node's store of it was submitted")
+    return out
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = lambda cells: "  " + "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return [fmt(header), *map(fmt, rows)]
+
+
+def format_nodes(r: NodesReplay) -> str:
+    """The text report of :func:`run_nodes`."""
+    s1 = r.single
+    n0 = r.nodes[0].summary
+    cap = "unlimited" if s1.capacity_bytes is None else format_bytes(s1.capacity_bytes)
+    engines = sorted({n.summary.engine for n in r.nodes})
+    rows = [(f"node {n.node}", _nodes_row([n])) for n in r.nodes]
+    rows.append(("total", r.total))
+    single = _single_row(s1, r.single_bytes_verified)
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2%}"
+
+    def num(v: Any) -> str:
+        return "-" if v is None else str(v)
+
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    hits = [[label, str(d["requests"]), str(d["blocks_requested"]), str(d["blocks_looked_up"]),
+             str(d["blocks_hit"]), pct(d["block_hit_ratio"]), str(d["blocks_loaded"]),
+             num(d.get("blocks_loaded_cross_node")), pct(d.get("cross_node_hit_ratio")),
+             pct(d.get("cross_node_of_looked_up")), num(d.get("blocks_loaded_both")),
+             num(d.get("blocks_loaded_own")), num(d.get("load_lost_keys"))]
+            for label, d in [*rows, ("single node", single)]]
+    io = [[label, format_bytes(d["bytes_loaded"]), format_bytes(d["bytes_verified"]),
+           ms(d["load_latency_ms_p50"]), ms(d["load_latency_ms_p99"]), f"{d['load_gbps']:.2f}",
+           str(d["blocks_stored"]), str(d["evictions"]), str(d["verification_failures"]),
+           str(d["errors"]), f"{d['wall_s']:.2f}"]
+          for label, d in [*rows, ("single node", single)]]
+    lines = [
+        f"pykvtier replay --nodes: {_plural(s1.requests, 'request')} of {r.trace}, dealt {r.deal} "
+        f"to {len(r.nodes)} nodes (a process each, shared=True, all at once), and by a single "
+        "node (a plain replay, one process, before them)",
+        f"  model {n0.model}, {n0.tokens_per_block} tokens/block -> blocks of "
+        f"{format_bytes(n0.block_size_bytes)} ({n0.block_size_bytes} B); engine {', '.join(engines)}"
+        f" (single node: {s1.engine}); capacity {cap} (each tier's capacity_bytes); arena "
+        f"{format_bytes(n0.arena_bytes)} per process",
+        *[f"  node {n.node}  {n.root}" for n in r.nodes],
+        f"  single  {s1.root}",
+        f"  (both under {r.base}{', removed' if r.base_removed else ', NOT removed'})",
+        "",
+        *_table(["", "requests", "blocks", "looked up", "hit", "hit ratio", "loaded", "cross-node",
+                 "/loaded", "/looked up", "both", "own", "lost"], hits),
+        "",
+        *_table(["", "loaded", "verified", "p50 ms", "p99 ms", "GB/s", "stored", "evictions",
+                 "wrong blocks", "errors", "wall s"], io),
+        "",
+        "  blocks: requested; hit ratio: hit / requested; loaded: blocks loaded and checked;",
+        "  cross-node: loaded blocks whose key only other nodes stored (the join of every node's",
+        "  stored keys), of all loaded and of all looked up; both: stored by this node and another",
+        "  (which copy was read cannot be told); own: stored by this node alone; lost: found by the",
+        "  lookup but evicted from the shared root before the load (ENOENT; recomputed, not an error).",
+        "  verified: bytes compared with the key's bytes (every loaded byte); p50/p99: per-request",
+        "  load latency; GB/s: loaded bytes / time loads were in flight (total: the nodes' union).",
+    ]
+    for n in r.nodes:
+        s = n.summary
+        for reason, k in s.failure_reasons.items():
+            lines.append(f"  node {n.node} - {k} x {reason}")
+        for msg in s.error_samples:
+            lines.append(f"  node {n.node} ! {msg}")
+    for reason, k in s1.failure_reasons.items():
+        lines.append(f"  single - {k} x {reason}")
+    for msg in s1.error_samples:
+        lines.append(f"  single ! {msg}")
+    for p in r.problems:
+        lines.append(f"  ! {p}")
+    lines.append("  OK" if r.ok else "  FAILED")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------
@@ -1064,6 +1613,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recycle", action="store_true",
                         help="evict by unlinking files and create a new one per store (DiskTier(recycle=False));"
                         " default: stores at capacity take over the evicted files")
+    parser.add_argument(
+        "--nodes", metavar="ROOT_A,ROOT_B[,...]", default=None,
+        help="the replay across nodes: each ROOT is one node's mount of one shared directory (two "
+        "mounts of a distributed file system; one path given twice for a local test). Under the "
+        "first ROOT a fresh directory holds the nodes' tier root and the single node's, removed at "
+        "the end. One process per ROOT replays its share of the requests on a shared=True tier (no "
+        "recycling), all at once; the requests are dealt round robin by request order (request i "
+        "to node i mod N: the Mooncake format has no conversation or session field to deal by, and "
+        "dealing by order spreads the prefixes later requests reuse over the nodes, as a balancer "
+        "without prefix affinity does). Before them a plain replay of all the requests by one "
+        "process (the single node). Reports per node, in total and for the single node: requests, "
+        "hit ratio, cross-node hits (loaded blocks whose key only another node stored: the join of "
+        "every node's stored keys with its loaded blocks; blocks this node and another both stored "
+        "are counted apart) over blocks loaded and over blocks looked up, bytes verified, load "
+        "p50/p99, GB/s; exits 1 on any wrong byte, error or inconsistent count. --capacity is "
+        "each tier's capacity_bytes, --arena each process's")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal, never with --json)")
@@ -1096,6 +1661,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not (args.no_progress or args.json),
         arena_bytes=args.arena,
     )
+    if getattr(args, "nodes", None) is not None:
+        return _run_nodes_command(args, config)
     try:
         summary = run_replay(config)
     except (FileNotFoundError, TraceFormatError, ReplayConfigError, _models.UnknownModelError) as exc:
@@ -1106,6 +1673,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_summary(summary))
     return 0 if summary.ok else 1
+
+
+def _run_nodes_command(args: argparse.Namespace, config: ReplayConfig) -> int:
+    """``pykvtier replay --nodes``: exit 0 all verified and consistent, 1 not, 2 usage."""
+    try:
+        if config.root is not None:
+            raise ReplayConfigError("--nodes takes the roots: no --root with it")
+        result = run_nodes(config, args.nodes.split(","))
+    except (FileNotFoundError, TraceFormatError, ReplayConfigError, _models.UnknownModelError) as exc:
+        print(f"pykvtier replay: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a node failed (its message says how)
+        print(f"pykvtier replay: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_dict(), sort_keys=False))
+    else:
+        print(format_nodes(result))
+    return 0 if result.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
