@@ -386,3 +386,25 @@ def test_a_store_reported_done_is_whole_on_the_other_node(shared_roots, make_tie
     short = [s for s in sizes if s != BS + HEADER_BYTES]
     assert short == [], f"{len(short)} of 200 block files seen short through B: sizes {sorted(set(short))}"
     assert wrong == [], f"{len(wrong)} of 200 block files read through B are not what A stored: {wrong[:8]}"
+
+
+# ------------------------------------------------------------------------- replay --nodes
+
+
+def test_replay_nodes_over_the_two_mounts(shared_roots):
+    """`pykvtier replay --nodes A,B` over the two mounts: node 0's process opens the root through
+    mount A, node 1's through mount B, with a slice of the bundled trace (tiny model, unlimited
+    capacity); the same relations as on one local directory (tests/test_replay_nodes.py): every
+    loaded byte verified, cross-node hits are blocks only the other node stored, totals the
+    nodes' sums, the single node replayed the same requests."""
+    from test_replay_nodes import _config, check_nodes_relations
+
+    from pykvtier.replay import run_nodes
+    from pykvtier.trace import load_trace
+
+    ra, rb = shared_roots
+    requests = load_trace(None, max_requests=60)
+    r = run_nodes(_config(), [ra, rb], requests)
+    check_nodes_relations(r, requests, [ra, rb])
+    assert r.nodes[0].root.startswith(ra + os.sep) and r.nodes[1].root.startswith(rb + os.sep)
+    assert sum(n.load_lost_keys for n in r.nodes) == 0  # (nothing evicted)
