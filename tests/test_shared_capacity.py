@@ -258,3 +258,37 @@ def test_two_nodes_keep_one_capacity_on_a_shared_file_system(shared_roots, arena
     finally:
         a.shutdown()
         b.shutdown()
+
+
+@pytest.mark.sharedfs
+def test_a_block_evicted_through_one_mount_is_a_miss_on_the_other(shared_roots, arena):
+    """A's evictor evicts a block B found by its probe: the eviction log reaches B (up to
+    JuiceFS's 1 s attribute cache late: polled, bounded), and B answers MISS without a load."""
+    import time
+
+    ra, rb = shared_roots
+    a = DiskTier(ra, BS, shared=True, capacity_bytes=2 * FB)
+    b = DiskTier(rb, BS, shared=True, capacity_bytes=2 * FB)
+    try:
+        src = fill(arena(2, BS), 8)
+        a.set_arena(src)
+        dst = arena(2, BS)
+        b.set_arena(dst)
+        assert store(a, 1, [b"e0", b"e1"], [0, 1]).success
+        for i, k in enumerate((b"e0", b"e1")):  # e0 older (one job's files may share a time)
+            os.utime(a.layout.block_path(key_digest(k)), ns=(10**18 + i, 10**18 + i))
+        assert [answer(b, k) for k in (b"e0", b"e1")] == [HIT, HIT]
+        assert store(a, 2, [b"e2"], [0]).success  # the root is full: e0, the oldest, goes
+        assert name_of(a, b"e0") not in names(ra)
+        deadline = time.monotonic() + 10
+        while b.stats()["shared_evictions_applied"] == 0 and time.monotonic() < deadline:
+            b.wait(0.01)  # (a keeper round of B reads the log; wait() applies it)
+        s = b.stats()
+        assert s["shared_evictions_applied"] == 1
+        assert b.lookup(b"e0") == MISS
+        assert (b.stats()["load_failures"], b.stats()["loads_gone"]) == (0, 0)
+        res = load(b, 3, [b"e1"], [1])
+        assert res.success and np.array_equal(dst[1], src[1])
+    finally:
+        a.shutdown()
+        b.shutdown()
