@@ -965,7 +965,10 @@ def run_replay(
 #: the prefixes that later requests reuse over the nodes, as a balancer without prefix affinity.
 NODES_DEAL = "round robin by request order"
 _NODES_DIR_PREFIX = "pykvtier-replay-nodes-"
-_LOST_REASON = "ENOENT"  # a load's reason for a block file that is gone (an eviction)
+#: A load's reasons for a block its lookup found that left the shared root before the load: its
+#: file gone (ENOENT), or the root's evictor's announcement of its eviction applied meanwhile
+#: (the tier refuses the load without I/O).
+_LOST_REASONS = ("ENOENT", "not in the tier")
 
 
 class _CountingPattern(BlockPattern):
@@ -993,9 +996,9 @@ class _NodeDriver(_VerifyCountingDriver):
     """The driver of one node of ``--nodes``. Besides what ReplayDriver counts, it records each
     key it stored (``stored``: the submit time of its first successful store) and each block it
     loaded and checked (``loaded``, ``loaded_t``: key and the time its load finished, in order),
-    and counts a load that found its block file gone (ENOENT: a block evicted from the shared
-    root after this node's lookup found it; an engine recomputes it) in ``load_lost_keys``
-    instead of as an error. Times are ``time.perf_counter()``: on Linux the machine's monotonic
+    and counts a load of a block that left the shared root after this node's lookup found it
+    (evicted: its file gone, ENOENT, or the eviction announced to this tier in between, "not in
+    the tier"; an engine recomputes the block) in ``load_lost_keys`` instead of as an error. Times are ``time.perf_counter()``: on Linux the machine's monotonic
     clock, one clock for all the node processes (they run on this machine)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
@@ -1009,7 +1012,7 @@ class _NodeDriver(_VerifyCountingDriver):
         if p.is_load:
             reasons = getattr(r, "failed_keys", None) or {}
             lost = {k for k in p.keys
-                    if k not in ok_keys and str(reasons.get(k, "")).startswith(_LOST_REASON)}
+                    if k not in ok_keys and str(reasons.get(k, "")).startswith(_LOST_REASONS)}
             if lost:
                 self.load_lost_keys += sum(1 for k in p.keys if k in lost)
                 ok_keys = ok_keys | lost  # (not failures; _check_loaded still skips them)
@@ -1098,7 +1101,7 @@ class NodeResult:
     loaded: list[bytes]  # each block it loaded and checked, in order (a key once per load)
     loaded_t: list[float]  # when each of those loads finished
     bytes_verified: int  # bytes its checks compared with the key's bytes
-    load_lost_keys: int  # blocks its lookup found whose file was gone at the load (ENOENT)
+    load_lost_keys: int  # blocks its lookup found that were evicted before the load
     load_latencies: list[float]
     load_intervals: list[tuple[float, float]]
     #: per loaded block, who had stored its key (the join of every node's stored keys):
@@ -1183,7 +1186,8 @@ def _nodes_row(nodes: Sequence[NodeResult]) -> dict[str, Any]:
         "blocks_stored": total("blocks_stored"),
         "bytes_stored": total("bytes_stored"),
         "distinct_keys_stored": len(set().union(*(n.stored for n in nodes))),
-        "evictions": total("evictions"),
+        # the tier's own evictions, and those it made as the shared root's evictor
+        "evictions": sum(int(s.evictions) + int(s.tier_stats.get("shared_evictions", 0) or 0) for s in ss),
         "verification_failures": total("verification_failures"),
         "errors": total("errors"),
         "cpu_s": sum(s.cpu_s for s in ss),
@@ -1478,7 +1482,8 @@ def format_nodes(r: NodesReplay) -> str:
         "  cross-node: loaded blocks whose key only other nodes stored (the join of every node's",
         "  stored keys), of all loaded and of all looked up; both: stored by this node and another",
         "  (which copy was read cannot be told); own: stored by this node alone; lost: found by the",
-        "  lookup but evicted from the shared root before the load (ENOENT; recomputed, not an error).",
+        "  lookup but evicted from the shared root before the load (recomputed, not an error);",
+        "  evictions: made by that tier (a node's: as the shared root's evictor).",
         "  verified: bytes compared with the key's bytes (every loaded byte); p50/p99: per-request",
         "  load latency; GB/s: loaded bytes / time loads were in flight (total: the nodes' union).",
     ]

@@ -250,6 +250,27 @@ def test_the_join_counts_by_who_stored_each_loaded_key():
     assert (a.count("cross-node"), a.count("own"), a.count("both"), a.count("none")) == (2, 1, 1, 1)
 
 
+def test_a_load_of_a_block_evicted_after_its_lookup_is_lost_not_an_error():
+    """A node's load that finds its block evicted from the shared root since the lookup (its
+    file gone, or the evictor's announcement applied in between) counts in load_lost_keys; any
+    other failed key of a load is an error, as in a plain replay."""
+    from pykvtier.replay import _NodeDriver, _Pending, _Progress, _SignalGuard
+
+    k = [block_key(i, 0, TINY_BS) for i in range(4)]
+    d = _NodeDriver(None, np.zeros(4 * TINY_BS, dtype=np.uint8), TINY_BS, TINY_TPB, _SignalGuard(),
+                    _Progress(0, False))
+
+    class Result:
+        job_id = 7
+        failed_keys = {k[0]: "not in the tier", k[1]: "ENOENT: No such file or directory",
+                       k[2]: "an earlier load of this block failed"}
+
+    d._count_failures(Result(), _Pending(True, k, [0, 1, 2, 3], 0.0), {k[3]})
+    c = d.counters
+    assert (d.load_lost_keys, c.load_failed_keys, c.errors) == (2, 1, 1)
+    assert c.failure_reasons == {"load: an earlier load of this block failed": 1}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "ONLY"], "--nodes needs at least two roots (comma-separated), got 1"),
     (["--nodes", "{r},"], "--nodes: an empty root (it would mean the current directory)"),
