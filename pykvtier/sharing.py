@@ -139,9 +139,12 @@ class _Member:
     settled: int = 0
     returned: int = 0
     wanted: int = 0
+    first: int = 0  # ``wanted`` up to its first waiting store only
     granted: int = 0
     base: int = 0  # ``settled`` when the root's bytes were last counted (0: joined since)
     alive: bool = True
+    asked: int = -1  # ``first`` when the evictor first saw it (a new store waiting)...
+    asked_at: float = 0.0  # ...and when: members are granted in that order
 
 
 @dataclass
@@ -216,6 +219,7 @@ class RootKeeper:
         self.settled = 0  # of those, cumulative bytes of stores that finished (ok or failed)
         self.returned = 0  # cumulative bytes of the grant given back unused
         self.wanted = 0
+        self.first = 0  # reserved plus returned plus the bytes of the first store waiting
         self._want_at = time.monotonic()  # when a store last waited (or the member started)
         self._evicted: list[bytes] = []
         self._used: list[bytes] = []
@@ -256,6 +260,8 @@ class RootKeeper:
             self._want_at = time.monotonic()
             if self.wanted < self.reserved + self.returned:
                 self.wanted = self.reserved + self.returned
+            if self.first < self.reserved + self.returned:
+                self.first = self.reserved + self.returned
             return True
 
     def settle(self, nbytes: int) -> None:
@@ -268,11 +274,14 @@ class RootKeeper:
         with self._mu:
             return self.granted - self.reserved - self.returned
 
-    def want(self, waiting_bytes: int) -> None:
-        """Announces ``waiting_bytes`` of stores waiting for room (0: none), to the evictor at the
-        next round (the thread is woken)."""
+    def want(self, waiting_bytes: int, first_bytes: int | None = None) -> None:
+        """Announces ``waiting_bytes`` of stores waiting for room (0: none), ``first_bytes`` of
+        them the first store's (None: all), to the evictor at the next round (the thread is
+        woken)."""
         with self._mu:
             self.wanted = self.reserved + self.returned + waiting_bytes
+            self.first = self.reserved + self.returned + (
+                waiting_bytes if first_bytes is None else min(first_bytes, waiting_bytes))
             if waiting_bytes:
                 self._want_at = time.monotonic()
         self._wake.set()
@@ -381,12 +390,13 @@ class RootKeeper:
             if (unused > 0 and self.wanted <= self.reserved + self.returned
                     and time.monotonic() >= self._want_at + RETURN_IDLE_S):
                 self.returned += unused  # idle: the evictor may give it to others
-                self.wanted = self.reserved + self.returned
-            figures = (self.reserved, self.settled, self.returned, self.wanted)
+                self.wanted = self.first = self.reserved + self.returned
+            figures = (self.reserved, self.settled, self.returned, self.wanted, self.first)
         if figures != self._published:
             _write_record(self._member_path(".json"), {
                 "reserved": figures[0], "settled": figures[1], "returned": figures[2],
-                "wanted": figures[3], "pid": os.getpid(), "host": socket.gethostname()},
+                "wanted": figures[3], "first": figures[4], "pid": os.getpid(),
+                "host": socket.gethostname()},
                 self.file_mode)
             self._published = figures
 
@@ -514,6 +524,8 @@ class RootKeeper:
                     m.returned = x
                 if isinstance(w, int):
                     m.wanted = w
+                    h = f.get("first", w)
+                    m.first = min(h, w) if isinstance(h, int) else w
         for mid, m in ev.members.items():  # gone from the directory: dead (removed by another)
             if mid not in ids and m.alive:
                 m.alive = False
@@ -658,12 +670,35 @@ class RootKeeper:
                     self._evict(ev, over)
             limit = self._limit(ev)
         room = limit - self._committed(ev)
-        for mid in sorted(needs, key=needs.get, reverse=True):
-            n = min(needs[mid], room) // fb * fb
+        for mid in needs:
+            m = ev.members[mid]
+            if m.first != m.asked:  # a store waiting that was not before: last in line
+                m.asked, m.asked_at = m.first, now
+        # Each member's first waiting store is granted whole, first come first served (room
+        # spread over several members, each short of its store, would let none of them go on
+        # while the root stays empty); a store larger than the root gets what there is. Then,
+        # if every first store got its room, each member's other waiting stores, all or none.
+        order = sorted(needs, key=lambda mid: (ev.members[mid].asked_at, mid))
+        blocked = False
+        for mid in order:
+            m = ev.members[mid]
+            need = m.first - m.granted
+            if need <= 0:
+                continue
+            n = need if need <= room else (
+                max(0, room) // fb * fb if m.first - m.reserved - m.returned > limit else 0)
             if n > 0:
-                ev.members[mid].granted += n
+                m.granted += n
                 room -= n
-        for mid in needs:  # then, from room left free, a share of the headroom each
+            if n < need:  # the room freed from now on is its own
+                blocked = True
+                break
+        for mid in () if blocked else order:
+            m = ev.members[mid]
+            if 0 < m.wanted - m.granted <= room:
+                room -= m.wanted - m.granted
+                m.granted = m.wanted
+        for mid in () if blocked else needs:  # then, from room left free, a headroom share each
             n = min(share, room) // fb * fb
             if n > 0:
                 ev.members[mid].granted += n

@@ -946,15 +946,18 @@ class DiskTier:
         return len(new) * self.file_bytes - self._keeper.room()
 
     def _announce_want(self) -> None:
-        """Tells the root's evictor how many bytes this tier's waiting stores need."""
+        """Tells the root's evictor how many bytes this tier's waiting stores need, and of
+        those the first one (the evictor grants first stores whole, first come first served)."""
         fb = self.file_bytes
-        need = 0
+        need = first = 0
         for pend in self._awaiting:
             _, codes = self._bindex.admit_stores(pend.digests, 0)
             if codes is not None:
                 need += len({pend.digests[16 * i:16 * i + 16] for i, c in enumerate(codes)
                              if c == _ADMIT_NEEDS_ROOM}) * fb
-        self._keeper.want(need)
+            if pend is self._awaiting[0]:
+                first = need
+        self._keeper.want(need, first)
 
     def _admit_waiting(self) -> None:
         """Admits a shared tier's waiting stores, in order, once the grant covers each (or its
