@@ -44,6 +44,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -132,6 +133,30 @@ def _try_lock(path: str, mode: int, create: bool) -> int | None:
     return fd
 
 
+_keepers: weakref.WeakSet[RootKeeper] = weakref.WeakSet()
+
+
+def _drop_locks_in_child() -> None:
+    """After fork(): the child closes its copies of its keepers' lock descriptors (without
+    unlocking: the flocks stay the parent's). A child that kept them, outliving its parent,
+    would keep a dead member alive and the evictor's role taken. The child's keepers run no
+    rounds and remove no files (the parent's)."""
+    for k in list(_keepers):
+        k._thread = None  # (its locks may have been held by it at the fork: new ones)
+        k._round, k._mu = threading.Lock(), threading.Condition(threading.Lock())
+        for name in ("_member_lock", "_evictor_fd"):
+            fd = getattr(k, name)
+            setattr(k, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
 @dataclass
 class _Member:
     """What the evictor knows of one member."""
@@ -212,6 +237,7 @@ class RootKeeper:
         self._member_lock = _try_lock(self._member_path(".lock"), file_mode, create=True)
         if self._member_lock is None:  # a random name: nobody else holds it
             raise OSError(errno.EBUSY, f"cannot lock {self._member_path('.lock')}")
+        _keepers.add(self)
         # --- shared with the tier's thread, under _mu
         self._mu = threading.Condition(threading.Lock())
         self.granted = 0  # cumulative bytes this member may reserve

@@ -5,6 +5,10 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -44,6 +48,13 @@ def rounds(*tiers: DiskTier, into: dict[int, JobResult] | None = None) -> None:
         for r in t.get_finished_jobs():
             if into is not None:
                 into[r.job_id] = r
+
+
+def store(t: DiskTier, job_id: int, keys, slots) -> JobResult:
+    t.submit_store(TransferJob(job_id, list(keys), list(slots)))
+    t.drain()
+    (res,) = t.get_finished_jobs()
+    return res
 
 
 def collect(t: DiskTier, into: dict[int, JobResult]) -> None:
@@ -105,3 +116,65 @@ def test_partial_grants_spread_over_members_do_not_deadlock_the_root(tmp_path, m
         clock.tick(11)  # (a store still waiting gives up at once)
         for t in tiers:
             t.shutdown()
+
+
+_FORKING_MEMBER = textwrap.dedent("""
+    import os, sys, time
+    from pykvtier import DiskTier
+    t = DiskTier(sys.argv[1], int(sys.argv[2]), shared=True, capacity_bytes=int(sys.argv[3]))
+    deadline = time.monotonic() + 10
+    while not t._keeper.is_evictor and time.monotonic() < deadline:
+        t._keeper.run_once()
+    print(t._keeper.member_id, int(t._keeper.is_evictor), flush=True)
+    child = os.fork()
+    if child == 0:  # (a forked worker that never uses the tier, but closes what it inherited)
+        t._keeper.close()
+        print("child", os.getpid(), flush=True)
+        time.sleep(3600)
+        os._exit(0)
+    sys.stdin.read()  # until killed
+""")
+
+
+def test_a_child_forked_after_open_does_not_keep_a_dead_members_locks(tmp_path, arena):
+    """A member (the evictor) forks a child that outlives it: the child's copies of the
+    member's and the evictor's lock descriptors held both flocks, so the SIGKILLed member
+    stayed 'alive' and no other member could ever become the evictor (every store failed 'no
+    capacity' after 10 s). The child should close its copies, as the root lock's at-fork hook
+    does."""
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    proc = subprocess.Popen([sys.executable, "-c", _FORKING_MEMBER, root, str(BS), str(8 * FB)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        dead_id, was_evictor = proc.stdout.readline().split()
+        assert was_evictor == "1"
+        what, child = proc.stdout.readline().split()
+        child = int(child)
+        members = os.path.join(root, "shared", "members")
+        # the child's close() left the parent's files alone
+        assert sorted(os.listdir(members)) == [dead_id + ".json", dead_id + ".lock"]
+        t = DiskTier(root, BS, shared=True, capacity_bytes=8 * FB)
+        try:
+            t._keeper.run_once()
+            assert t.stats()["shared_evictor"] == 0
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            t._keeper._evictor_try_at = 0.0  # (the next try now, not within 1 s)
+            t._keeper.run_once()
+            assert t.stats()["shared_evictor"] == 1  # the child holds no copy of the lock
+            t._keeper._ev.liveness_at = 0.0
+            t._keeper.run_once()
+            assert t.stats()["shared_dead_members"] == 1
+            assert not [m for m in os.listdir(members) if m.startswith(dead_id)]
+            t.set_arena(arena(1, BS))
+            assert store(t, 1, [b"after"], [0]).success
+        finally:
+            t.shutdown()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
