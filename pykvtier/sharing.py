@@ -80,16 +80,51 @@ COUNT_MARGIN_S = 0.1
 RETURN_IDLE_S = 1.0
 
 
+#: open(2) flags of every file the keepers use: no link followed, no FIFO waited on.
+_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+#: Errors of an open(2) that meets a directory, a symlink or a FIFO without a reader.
+_NOT_A_FILE = (errno.EISDIR, errno.ELOOP, errno.ENXIO)
+
+
+def _open_file(path: str, flags: int, mode: int = 0o644, move_aside: bool = False) -> int:
+    """A descriptor of the regular file ``path`` (``_OPEN`` added to ``flags``); OSError
+    otherwise (ENOENT, or EINVAL for something that is no regular file). ``move_aside``: a
+    directory, symlink, FIFO... at ``path`` is renamed aside (``PATH.moved-HEX``, warned about)
+    and the file opened again (for files only the keeper writing it opens for writing: the
+    evictor's grants and log, a member's own record, lock files an open cannot have locked)."""
+    for attempt in (0, 1):
+        try:
+            fd = os.open(path, flags | _OPEN, mode)
+        except OSError as exc:
+            if not (move_aside and attempt == 0 and exc.errno in _NOT_A_FILE):
+                raise
+        else:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                return fd
+            os.close(fd)
+            if not (move_aside and attempt == 0):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+        aside = f"{path}.moved-{secrets.token_hex(4)}"
+        os.rename(path, aside)
+        logger.warning("pykvtier: shared root: %s was no regular file; moved to %s", path, aside)
+    raise AssertionError("unreachable")
+
+
 def _read_record(path: str) -> dict | None:
-    """The record in ``path`` (see _write_record), or None (missing, torn, unreadable)."""
+    """The record in ``path`` (see _write_record), or None (missing, torn, unreadable, no regular
+    file)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 20)
+        fd = _open_file(path, os.O_RDONLY)
+        try:
+            data = os.read(fd, 1 << 20)
+        finally:
+            os.close(fd)
         body, _, rest = data.partition(b"\n")
         if int(rest[:8], 16) != zlib.crc32(body):
             return None  # torn: read while being written
         obj = json.loads(body)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -99,10 +134,10 @@ def _write_record(path: str, obj: dict, mode: int) -> None:
     CRC-32 (a reader that meets a half-written record finds it torn), blanks up to the file's
     old length. In place, not renamed: another node's client sees the new bytes at its next
     open (JuiceFS: about 1 ms), where a renamed file reaches it only when its cached entry
-    expires (1 s)."""
+    expires (1 s). Something else at ``path`` (a directory, a FIFO...) is moved aside."""
     body = json.dumps(obj, separators=(",", ":")).encode()
     data = body + b"\n%08x\n" % zlib.crc32(body)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    fd = _open_file(path, os.O_RDWR | os.O_CREAT, mode, move_aside=True)
     try:
         size = os.fstat(fd).st_size
         if size > len(data):
@@ -116,11 +151,23 @@ def _write_record(path: str, obj: dict, mode: int) -> None:
 
 def _try_lock(path: str, mode: int, create: bool) -> int | None:
     """A descriptor of ``path`` holding ``flock(LOCK_EX)``, or None when another holds it (or the
-    file is missing and not ``create``)."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    file is missing and not ``create``, or is no regular file: no member's lock). ``create``: a
+    directory or symlink at ``path`` (which no member can have locked) is moved aside."""
     try:
-        fd = os.open(path, flags, mode)
+        if create:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN, mode)
+            except OSError as exc:
+                if exc.errno not in (errno.EISDIR, errno.ELOOP):
+                    raise
+                fd = _open_file(path, os.O_RDWR | os.O_CREAT, mode, move_aside=True)
+        else:
+            fd = _open_file(path, os.O_RDWR)
     except FileNotFoundError:
+        return None
+    except OSError:
+        if create:
+            raise
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -445,7 +492,9 @@ class RootKeeper:
         if isinstance(gen, int) and gen != self._log_gen:
             if self._log_gen is None:  # first sight: evictions from now on (the tier's start
                 try:                   # scan saw the root after the earlier ones)
-                    self._log_offset = os.stat(self._log_path(gen)).st_size // _DIGEST * _DIGEST
+                    st = os.stat(self._log_path(gen), follow_symlinks=False)
+                    self._log_offset = (st.st_size // _DIGEST * _DIGEST
+                                        if stat.S_ISREG(st.st_mode) else 0)
                 except OSError:
                     self._log_offset = 0
             else:
@@ -460,7 +509,7 @@ class RootKeeper:
         if self._log_gen is None:
             return
         try:
-            with open(self._log_path(self._log_gen), "rb") as f:
+            with os.fdopen(_open_file(self._log_path(self._log_gen), os.O_RDONLY), "rb") as f:
                 f.seek(self._log_offset)
                 data = f.read()
         except OSError:
@@ -654,7 +703,8 @@ class RootKeeper:
 
     def _append_log(self, ev: _EvictorState, digests: list[bytes]) -> None:
         path = self._log_path(ev.log_gen)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+        fd = _open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.file_mode,
+                        move_aside=True)
         try:
             os.write(fd, b"".join(digests))
             size = os.fstat(fd).st_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -178,3 +179,121 @@ def test_a_child_forked_after_open_does_not_keep_a_dead_members_locks(tmp_path, 
             proc.wait()
         if child is not None:
             os.kill(child, signal.SIGKILL)
+
+
+_TWO_MEMBERS = textwrap.dedent("""
+    import json, sys, time
+    from pykvtier import DiskTier, TransferJob, host_arena
+    root, bs, fb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tiers = [DiskTier(root, bs, shared=True, capacity_bytes=2 * fb) for _ in range(2)]
+    for t in tiers:
+        t.set_arena(host_arena(1, bs))
+    out = {"ok": [], "failed": {}}
+    for i in range(4):  # one block a job, the members taking turns: evictions from the 3rd on
+        t = tiers[i % 2]
+        t.submit_store(TransferJob(i, [b"k%d" % i], [0]))
+        t.drain()
+        (res,) = t.get_finished_jobs()
+        if res.success:
+            out["ok"].append(i)
+        else:
+            out["failed"][i] = list(res.failed_keys.values())[0]
+    evicted = sum(t.stats()["shared_evictions"] for t in tiers)
+    deadline = time.monotonic() + 5  # (until both members read the evictions announced)
+    while (any(t.stats()["shared_evicted_seen"] < evicted for t in tiers)
+           and time.monotonic() < deadline):
+        tiers[0].wait(0.01)
+    out["evicted"] = evicted
+    out["seen"] = [t.stats()["shared_evicted_seen"] for t in tiers]
+    t0 = time.monotonic()
+    for t in tiers:
+        t.shutdown()
+    out["shutdown_s"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+""")
+
+_FOREIGN = [("grants.json", "fifo"), ("grants.json", "dir"), ("grants.json", "symlink"),
+            ("evictor.lock", "dir"), ("evictor.lock", "symlink"), ("evicted-1.log", "fifo"),
+            ("evicted-1.log", "dir"), ("members/x.json", "fifo"), ("members/x.lock", "dir"),
+            ("members/x.lock", "symlink")]
+
+
+@pytest.mark.parametrize("name,kind", _FOREIGN, ids=[f"{n}-{k}" for n, k in _FOREIGN])
+def test_a_foreign_entry_under_shared_neither_hangs_nor_stops_the_root(tmp_path, name, kind):
+    """Something that is no regular file at a name the keepers use, there before the tiers
+    start: a FIFO made the keeper thread block in open() for good (every store 'no capacity'
+    after 10 s, shutdown() hung joining the thread); a directory or a symlink at grants.json or
+    evictor.lock stopped every round of the evictor (or let none become it), at members/x.lock
+    every liveness check. Expected: ignored where read, moved aside where written; every store
+    succeeds within capacity and shutdown() returns at once."""
+    root = tmp_path / "root"
+    (root / "shared" / "members").mkdir(parents=True)
+    path = root / "shared" / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dir":
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    else:
+        path.symlink_to(tmp_path / "elsewhere")
+        (tmp_path / "elsewhere").write_bytes(b"x")
+    try:
+        run = subprocess.run([sys.executable, "-c", _TWO_MEMBERS, str(root), str(BS), str(FB)],
+                             capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the two members did not finish within 20 s (a keeper thread blocked?)")
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert (out["ok"], out["failed"]) == ([0, 1, 2, 3], {})
+    assert (out["evicted"], out["seen"]) == (2, [2, 2])  # each eviction announced, and read
+    assert out["shutdown_s"] < 5
+    assert len(block_files(str(root))) == 2
+    if kind == "symlink":
+        assert (tmp_path / "elsewhere").read_bytes() == b"x"  # nothing written through it
+
+
+_MEMBER = textwrap.dedent("""
+    import sys
+    from pykvtier import DiskTier
+    t = DiskTier(sys.argv[1], int(sys.argv[2]), shared=True, capacity_bytes=int(sys.argv[3]))
+    print(t._keeper.member_id, flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def test_a_dead_member_is_dropped_beside_foreign_lock_entries(tmp_path, manual):
+    """members/ holds a directory and a symlink at lock names (foreign): the evictor's
+    liveness check raised at the first of them (IsADirectoryError, ELOOP), every time, so the
+    members after it in the listing were never checked: a SIGKILLed member stayed alive, its
+    grant held for good. Expected: the foreign entries are no members' locks (skipped), the dead
+    member is dropped at the next check."""
+    root = tmp_path / "root"
+    members = root / "shared" / "members"
+    members.mkdir(parents=True)
+    (members / "foreign-dir.lock").mkdir()
+    (members / "foreign-link.lock").symlink_to(tmp_path / "nowhere")
+    proc = subprocess.Popen([sys.executable, "-c", _MEMBER, str(root), str(BS), str(8 * FB)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        dead_id = proc.stdout.readline().strip()
+        t = DiskTier(str(root), BS, shared=True, capacity_bytes=8 * FB)
+        try:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            k = t._keeper
+            deadline = time.monotonic() + 10
+            while not k.is_evictor and time.monotonic() < deadline:
+                k._evictor_try_at = 0.0
+                k.run_once()
+            assert k.is_evictor
+            k._ev.liveness_at = 0.0
+            k.run_once()  # (raised IsADirectoryError or ELOOP)
+            assert t.stats()["shared_dead_members"] == 1
+            assert not [m for m in os.listdir(members) if m.startswith(dead_id)]
+            assert {"foreign-dir.lock", "foreign-link.lock"} <= set(os.listdir(members))
+        finally:
+            t.shutdown()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
