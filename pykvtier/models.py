@@ -12,6 +12,29 @@ llama-3-70b    80      8         128       327,680 (320 KiB)
 tiny           2       1         32        256 (synthetic, for tests and smoke runs)
 =============  ======  ========  ========  =================
 
+The prefill cost model (:mod:`pykvtier.costmodel`) also needs each model's query heads and
+parameter count, from the same configs (``embedding_params``: the token embedding and the LM
+head, ``vocab_size x hidden_size`` each, untied in all three; ``params - embedding_params`` is
+what a prompt token's forward pass multiplies by, see :mod:`pykvtier.costmodel`):
+
+=============  ========  ==================  ================  ======================
+preset         Q heads   params              embedding_params  params - embedding
+=============  ========  ==================  ================  ======================
+llama-3-8b     32        8,030,261,248       1,050,673,152     6,979,588,096
+qwen2.5-7b     28        7,615,616,512       1,089,994,752     6,525,621,760
+llama-3-70b    64        70,553,706,496      2,101,346,304     68,452,360,192
+tiny           2         251,200             128,000           123,200 (synthetic)
+=============  ========  ==================  ================  ======================
+
+(Llama-3-8B: hidden 4096, MLP 14336, vocab 128256; Qwen2.5-7B: hidden 3584, MLP 18944, vocab
+152064, QKV biases; Llama-3-70B: hidden 8192, MLP 28672, vocab 128256; each layer's
+parameters are its Q/K/V/O projections, its gated MLP's three matrices and two RMSNorms; the
+totals match the model cards' 8.03 B, 7.61 B and 70.6 B.)
+
+This module is library (the adapters' ``bypass`` options name a preset): it imports nothing
+from pykvtier's tools, so :data:`TRACE_BLOCK_TOKENS` is its own copy of
+:data:`pykvtier.trace.TRACE_BLOCK_TOKENS` (tests/test_costmodel.py checks they agree).
+
 A trace block is :data:`~pykvtier.trace.TRACE_BLOCK_TOKENS` (512) tokens; an engine block is
 ``tokens_per_block`` tokens, which must divide 512, so trace block ``h`` becomes the engine
 blocks ``(h, 0) .. (h, 512 // tokens_per_block - 1)``.
@@ -21,11 +44,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .trace import TRACE_BLOCK_TOKENS
+#: Tokens per trace block (= :data:`pykvtier.trace.TRACE_BLOCK_TOKENS`; see the module docs).
+TRACE_BLOCK_TOKENS = 512
 
 __all__ = [
     "ModelPreset",
     "PRESETS",
+    "TRACE_BLOCK_TOKENS",
     "UnknownModelError",
     "get_preset",
     "preset_names",
@@ -37,7 +62,11 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ModelPreset:
-    """KV-cache geometry of one model."""
+    """KV-cache geometry of one model, and what the prefill cost model needs of it.
+
+    ``num_q_heads``, ``params`` and ``embedding_params`` (parameter counts, from the model's
+    config) default to 0: a preset without them has a KV size but no prefill estimate
+    (:class:`pykvtier.costmodel.PrefillModel` refuses it, naming the field)."""
 
     name: str
     num_layers: int
@@ -45,11 +74,20 @@ class ModelPreset:
     head_dim: int
     dtype_bytes: int = 2  # bf16
     description: str = ""
+    num_q_heads: int = 0  # attention (query) heads
+    params: int = 0  # every parameter, embeddings included
+    embedding_params: int = 0  # the token embedding and the LM head (one matrix if tied)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer and KV head, in bytes."""
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def dense_params(self) -> int:
+        """``params - embedding_params``: the weights every prompt token is multiplied by (the
+        embedding is a lookup; the LM head runs on a prefill's last token only)."""
+        return self.params - self.embedding_params
 
     def block_size_bytes(self, tokens_per_block: int) -> int:
         """Bytes of one engine block of ``tokens_per_block`` tokens."""
@@ -60,10 +98,14 @@ class ModelPreset:
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("llama-3-8b", 32, 8, 128, 2, "Meta Llama-3-8B, GQA 32 query / 8 KV heads, bf16"),
-        ModelPreset("qwen2.5-7b", 28, 4, 128, 2, "Qwen2.5-7B, GQA 28 query / 4 KV heads, bf16"),
-        ModelPreset("llama-3-70b", 80, 8, 128, 2, "Meta Llama-3-70B, GQA 64 query / 8 KV heads, bf16"),
-        ModelPreset("tiny", 2, 1, 32, 2, "synthetic 256 B/token model for tests and smoke runs"),
+        ModelPreset("llama-3-8b", 32, 8, 128, 2, "Meta Llama-3-8B, GQA 32 query / 8 KV heads, bf16",
+                    num_q_heads=32, params=8_030_261_248, embedding_params=1_050_673_152),
+        ModelPreset("qwen2.5-7b", 28, 4, 128, 2, "Qwen2.5-7B, GQA 28 query / 4 KV heads, bf16",
+                    num_q_heads=28, params=7_615_616_512, embedding_params=1_089_994_752),
+        ModelPreset("llama-3-70b", 80, 8, 128, 2, "Meta Llama-3-70B, GQA 64 query / 8 KV heads, bf16",
+                    num_q_heads=64, params=70_553_706_496, embedding_params=2_101_346_304),
+        ModelPreset("tiny", 2, 1, 32, 2, "synthetic 256 B/token model for tests and smoke runs",
+                    num_q_heads=2, params=251_200, embedding_params=128_000),
     )
 }
 

@@ -10,6 +10,15 @@ tier remembers the failure), so an engine recomputes it instead of retrying fore
 Slots are the tier's arena's: host memory, or GPU memory when the arena is a CUDA tensor (the
 loads then land in device slots by the tier's device path, see :mod:`pykvtier.gpu`).
 
+Load or recompute (``bypass="auto"``, off by default; docs/design.md "Load or recompute"):
+:meth:`Promoter.lookup_prefix` answers a request's blocks in prompt order and, of the leading
+run of hits, answers MISS from block ``k`` on, ``k`` =
+:func:`pykvtier.costmodel.loadable_prefix` of the tier's measured load bandwidth (a
+:class:`~pykvtier.costmodel.BandwidthEstimate` fed by the promoter's finished loads), the bytes
+queued ahead (blocks asked for or being read, and hits answered this step not yet promoted)
+and the blocks' recompute seconds (a :class:`~pykvtier.costmodel.PrefillModel`). The blocks
+answered MISS so are counted (``stats()["bypassed_hits"]``).
+
 Thread rules: as :class:`~pykvtier.tier.DiskTier` (one thread at a time).
 """
 
@@ -18,11 +27,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from .costmodel import BandwidthEstimate, PrefillModel, loadable_prefix
 from .tier import DiskTier, JobResult, LookupResult, TransferJob, _as_key
 
 __all__ = ["Promoter", "PromotionResult"]
 
 _JOB_BASE = 1 << 48  # job ids of the promoter's loads, apart from the caller's own
+_HITS = (LookupResult.HIT, LookupResult.HIT_PENDING)
+BYPASS_MODES = (None, "off", "auto")
 
 
 @dataclass
@@ -46,9 +58,47 @@ class Promoter:
     The promoter collects the tier's finished jobs: its own loads become
     :class:`PromotionResult`\\ s from :meth:`poll`; other jobs (the caller's stores) are kept for
     :meth:`take_other_results`.
+
+    ``bypass``: None or ``"off"`` (default: :meth:`lookup_prefix` answers as :meth:`lookup`), or
+    ``"auto"`` (load only the prefix of hits that loads faster than it recomputes; module docs),
+    which needs ``prefill`` (a :class:`~pykvtier.costmodel.PrefillModel`). ``tokens_per_block``:
+    the tokens of one block (default: the tier's block bytes / the model's KV bytes per token,
+    which must divide it). ``bandwidth``: the load bandwidth estimate (default: a
+    :class:`~pykvtier.costmodel.BandwidthEstimate` with no initial figure: every hit is loaded
+    until a load has been measured). ValueError for a bad ``bypass`` or a missing or
+    mismatched model.
     """
 
-    def __init__(self, tier: DiskTier) -> None:
+    def __init__(self, tier: DiskTier, *, bypass: str | None = None,
+                 prefill: PrefillModel | None = None, tokens_per_block: int | None = None,
+                 bandwidth: BandwidthEstimate | None = None) -> None:
+        if bypass not in BYPASS_MODES:
+            raise ValueError(f"Promoter: bypass must be None, \"off\" or \"auto\", got {bypass!r}")
+        self.bypass = bypass == "auto"
+        self.prefill = prefill
+        self.bandwidth = bandwidth
+        self.tokens_per_block = tokens_per_block
+        if self.bypass:
+            if not isinstance(prefill, PrefillModel):
+                raise ValueError("Promoter: bypass=\"auto\" needs prefill, a "
+                                 f"pykvtier.costmodel.PrefillModel, got {prefill!r}")
+            per_token = prefill.model.kv_bytes_per_token
+            if tokens_per_block is None:
+                if tier.block_size_bytes % per_token:
+                    raise ValueError(
+                        f"Promoter: the tier's {tier.block_size_bytes}-byte blocks are no whole "
+                        f"number of {prefill.model.name} tokens ({per_token} B each): pass "
+                        "tokens_per_block")
+                self.tokens_per_block = tier.block_size_bytes // per_token
+            elif isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) \
+                    or tokens_per_block < 1:
+                raise ValueError(f"Promoter: tokens_per_block must be a positive integer, got "
+                                 f"{tokens_per_block!r}")
+            if self.bandwidth is None:
+                self.bandwidth = BandwidthEstimate()
+        self._answered: set[bytes] = set()  # hits lookup_prefix answered this step, not promoted
+        self.bypassed_hits = 0  # hits lookup_prefix answered MISS (bypass="auto")
+        self.bypassed_requests = 0  # lookup_prefix calls that answered some hit MISS
         self.tier = tier
         self._gathered: dict[Hashable, list[tuple[bytes, int]]] = {}
         self._landing: dict[bytes, int] = {}  # key gathered or being read -> its slot
@@ -66,6 +116,38 @@ class Promoter:
             return LookupResult.HIT_PENDING
         return self.tier.lookup(key)
 
+    def lookup_prefix(self, keys: Sequence[bytes], start_token: int = 0) -> list[LookupResult]:
+        """One request's lookups: ``keys`` are its blocks in prompt order, ``keys[i]`` holding
+        tokens ``start_token + i * tokens_per_block`` onwards. Returns :meth:`lookup`'s answer
+        for each key, except, with ``bypass="auto"``, that the leading run of hits (HIT or
+        HIT_PENDING) answers MISS from block ``k`` on: ``k = loadable_prefix(hits,
+        tier.block_size_bytes, queued, bandwidth.bytes_per_s, recompute)`` with ``queued`` the
+        bytes of the blocks asked for or being read and of the hits answered this step and not
+        promoted yet, ``recompute`` each hit's ``prefill.block_seconds``; no estimate yet: every
+        hit is loaded. Hits after the run are left as they are (the prefix an engine loads ends
+        at the first block that is not a hit). The blocks answered MISS so are counted
+        (``bypassed_hits``)."""
+        answers = [self.lookup(k) for k in keys]
+        if not self.bypass:
+            return answers
+        hits = 0
+        while hits < len(answers) and answers[hits] in _HITS:
+            hits += 1
+        bw = self.bandwidth.bytes_per_s
+        k = hits
+        if hits and bw:
+            block = self.tier.block_size_bytes
+            queued = block * (len(self._landing) + len(self._answered.difference(self._landing)))
+            recompute = self.prefill.blocks_seconds(start_token, self.tokens_per_block, hits)
+            k = loadable_prefix(hits, block, queued, bw, recompute)
+        for i in range(k, hits):
+            answers[i] = LookupResult.MISS
+        if k < hits:
+            self.bypassed_hits += hits - k
+            self.bypassed_requests += 1
+        self._answered.update(_as_key(x) for x in keys[:k])
+        return answers
+
     def promote(self, request_id: Hashable, keys: Sequence[bytes], slot_ids: Sequence[int]) -> dict[bytes, int]:
         """Asks for ``keys`` to be loaded into ``slot_ids`` for ``request_id`` at step end.
 
@@ -80,6 +162,7 @@ class Promoter:
         result = self._results.setdefault(request_id, PromotionResult(request_id))
         for key, slot in zip(keys, slot_ids):
             key = _as_key(key)
+            self._answered.discard(key)
             if key in where or key in result.loaded:
                 continue
             if key not in self._landing:
@@ -101,6 +184,7 @@ class Promoter:
             self.tier.submit_load(TransferJob(job_id, keys, [s for _, s in items]))
             self.jobs_submitted += 1
         self._gathered.clear()
+        self._answered.clear()
         self.tier.on_step_end()
 
     def poll(self) -> list[PromotionResult]:
@@ -116,6 +200,15 @@ class Promoter:
         out, self._other = self._other, []
         return out
 
+    def stats(self) -> dict[str, int]:
+        """The promoter's counters: ``jobs_submitted``, ``bypassed_hits`` (hits
+        :meth:`lookup_prefix` answered MISS: loading them would have been slower than
+        recomputing), ``bypassed_requests`` (its calls that did), ``bandwidth_loads`` (finished
+        loads the bandwidth estimate took)."""
+        return {"jobs_submitted": self.jobs_submitted, "bypassed_hits": self.bypassed_hits,
+                "bypassed_requests": self.bypassed_requests,
+                "bandwidth_loads": self.bandwidth.loads if self.bandwidth is not None else 0}
+
     @property
     def in_flight(self) -> int:
         """Requests with promotions not yet settled."""
@@ -128,6 +221,8 @@ class Promoter:
             if keys is None:
                 self._other.append(jr)
                 continue
+            if self.bandwidth is not None and jr.transfer_bytes and jr.transfer_time:
+                self.bandwidth.update(jr.transfer_bytes, jr.transfer_time)
             for key in keys:
                 slot = self._landing.pop(key)
                 reason = jr.failed_keys.get(key)

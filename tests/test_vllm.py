@@ -1051,3 +1051,162 @@ def test_each_key_is_hashed_once_per_call_across_shards(root, make_tier, monkeyp
     arr[:] = 0
     assert all(r.success for r in run(tier, job(2, keys, range(6), True)).values())
     assert calls == keys and [arr[i].tobytes() for i in range(6)] == [payload(k) for k in keys]
+
+
+# ------------------------------------------------------------------------- bypass: auto
+# The recompute estimate of bypass_model llama-3-8b on one H100 at mfu 0.5, a key being a
+# 16-token chunk (the spec's 16-token GPU blocks, 1 per chunk): the key ending at token
+# 16 (j + 1) recomputes in (223,418,122,240 + 134,217,728 j) FLOPs / 494.7e12 FLOP/s
+# = 451.623 us + 0.2713 us x j (hand calculation: tests/test_costmodel.py). A key loads
+# BLOCK = 32 KiB: 327.68 us at 1e8 B/s, 655.36 us at 5e7 B/s.
+
+
+def _r(j: int) -> float:
+    return (223_418_122_240 + 134_217_728 * j) / 494.7e12
+
+
+def bypass_tier(make_tier, root, bytes_per_s, num_chunks=32):
+    cfg = tier_config(root, bypass="auto", bypass_model="llama-3-8b", bypass_gpu="h100",
+                      bypass_mfu=0.5, bypass_bytes_per_s=bytes_per_s)
+    return make_tier(cfg, num_chunks=num_chunks)
+
+
+def request(rid: str, keys, first_chunk: int = 0) -> ReqContext:
+    """A ReqContext with its keys' end-token positions, as vLLM's scheduler records them."""
+    ctx = ReqContext(rid)
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (first_chunk + j + 1))
+    return ctx
+
+
+def stored_keys(tier, arr, n: int, tag: bytes = b"bp") -> list[bytes]:
+    keys = [key(i, tag) for i in range(n)]
+    fill(arr, keys, range(n))
+    assert all(r.success for r in run(tier, job(1, keys, range(n), False)).values())
+    return keys
+
+
+BYPASS_STATS = ("bypassed_hits", "bypassed_requests", "bypass_deferrals")
+
+
+def test_bypass_is_off_by_default(root, make_tier):
+    tier, arr = make_tier(root)
+    assert tier.config.bypass == "off" and tier.prefill is None and tier.bandwidth is None
+    keys = stored_keys(tier, arr, 4)
+    ctx = request("r", keys + [key(99)])
+    assert [tier.lookup(k, ctx) for k in keys + [key(99)]] == [HIT] * 4 + [MISS]
+    assert ctx._state == {}  # nothing kept in the request's scratch space
+    assert {k: tier.stats()[k] for k in BYPASS_STATS} == dict.fromkeys(BYPASS_STATS, 0)
+
+
+def test_bypass_fast_tier_hits_at_once(root, make_tier):
+    """1e9 B/s: 32.8 us to load a key, 451.6 us to recompute it: HIT, no deferral."""
+    tier, arr = bypass_tier(make_tier, root, 1e9)
+    keys = stored_keys(tier, arr, 8)
+    a, b = request("a", keys[:4]), request("b", keys[4:], first_chunk=4)
+    assert [tier.lookup(k, a) for k in keys[:4]] == [HIT] * 4
+    # b behind a's 4 HITs of this step: (4 + 1) x 32.77 us <= 451.6 + 4 x 0.27 us
+    assert [tier.lookup(k, b) for k in keys[4:]] == [HIT] * 4
+    assert {k: tier.stats()[k] for k in BYPASS_STATS} == dict.fromkeys(BYPASS_STATS, 0)
+
+
+def test_bypass_slow_tier_counts_for_a_step_then_misses(root, make_tier):
+    """5e7 B/s: 655.36 us a key against 451.6 us: the first hit is not worth loading alone, so
+    the request's hits answer RETRY for a step (counted: 4, the absent 5th key ends the
+    scan); the next step decides k = 0 (4 x 655.36 = 2,621 us > 1,808 us), MISS for good."""
+    tier, arr = bypass_tier(make_tier, root, 5e7)
+    keys = stored_keys(tier, arr, 4)
+    ask = keys + [key(99)]
+    r = request("r", ask)
+    assert [tier.lookup(k, r) for k in ask] == [RETRY] * 4 + [MISS]
+    assert tier.lookup(keys[1], r) is RETRY  # looked up again in the same step: still counting
+    assert tier.stats()["bypass_deferrals"] == 1 and tier.stats()["bypassed_hits"] == 0
+    assert 4 * BLOCK / 5e7 > sum(_r(j) for j in range(4))
+    for _ in range(3):
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert [tier.lookup(k, r) for k in ask] == [MISS] * 5
+    st = tier.stats()
+    assert (st["bypassed_hits"], st["bypassed_requests"], st["bypass_deferrals"]) == (4, 1, 1)
+    assert st["loads_submitted"] == 0
+    # vLLM's metrics get the counters (deltas since the last get_stats)
+    types, values = sections(tier.get_stats())
+    assert values[PyKVTierMetrics.BYPASSED_HITS][()] == 4
+    assert values[PyKVTierMetrics.BYPASS_DEFERRALS][()] == 1
+    assert PyKVTierMetrics.BYPASSED_HITS not in sections(tier.get_stats())[1]  # deltas
+
+
+def test_bypass_queue_ahead_is_amortized_over_the_requests_hits(root, make_tier):
+    """1e8 B/s (327.68 us a key < 451.6 us): a's 4 hits load at once, and its load job stays in
+    flight (not collected). b (10 hits) and c (11 hits) queue behind 4 keys; their first hit
+    would land at 5 x 327.68 = 1,638 us > 451.6 us, so both are counted for a step. Then:
+    b: (4 + 10) x 327.68 = 4,587.5 us > sum r[0..9] = 4,528.4 us -> k = 0, MISS all 10;
+    c: (4 + 11) x 327.68 = 4,915.2 us <= sum r[0..10] = 4,982.8 us -> k = 11, HIT all."""
+    tier, arr = bypass_tier(make_tier, root, 1e8)
+    keys = stored_keys(tier, arr, 25)
+    ka, kb, kc = keys[:4], keys[4:14], keys[14:]
+    a, b, c = request("a", ka), request("b", kb), request("c", kc)
+    assert [tier.lookup(k, a) for k in ka] == [HIT] * 4
+    assert [tier.lookup(k, b) for k in kb] == [RETRY] * 10
+    assert [tier.lookup(k, c) for k in kc] == [RETRY] * 11
+    tier.submit_load(TransferJob(job_id=7, keys=ka, chunk_ids=np.arange(25, 29, dtype=np.int32),
+                                 is_promotion=True, req_context=a))  # vLLM's flush at step end
+    tier.on_schedule_end(ScheduleEndContext((), ()))
+    load = BLOCK / 1e8
+    assert (4 + 10) * load > sum(_r(j) for j in range(10))
+    assert (4 + 11) * load <= sum(_r(j) for j in range(11))
+    assert [tier.lookup(k, b) for k in kb] == [MISS] * 10
+    assert [tier.lookup(k, c) for k in kc] == [HIT] * 11
+    st = tier.stats()
+    assert (st["bypassed_hits"], st["bypassed_requests"], st["bypass_deferrals"]) == (10, 1, 2)
+    tier.drain_jobs()
+    (res,) = list(tier.get_finished_jobs())
+    assert res.job_id == 7 and res.success
+    assert [arr[c].tobytes() for c in range(25, 29)] == [payload(k) for k in ka]
+    assert tier.bandwidth.loads == 1  # the finished load feeds the estimate
+
+
+def test_bypass_through_vllms_manager(root, stack):
+    """Through the TieringOffloadingManager: at 5e7 B/s the tier's RETRY defers the request a
+    step without a promotion, then its hits are MISS; without positions (a lookup vLLM's
+    scheduler did not place) the tier answers as without bypass."""
+    cfg = tier_config(root, bypass="auto", bypass_model="llama-3-8b", bypass_bytes_per_s=5e7)
+    s = stack([cfg], num_chunks=4)
+    w = s.request("w")
+    keys = [key(i) for i in range(4)]
+    s.offload(w, keys)
+    s.end_step()
+    s.io()
+    s.offload(w, [key(i, b"filler") for i in range(4)])  # evicts keys from the CPU tier
+    s.end_step()
+    s.io()
+    s.step()
+    s.finish(w)
+    r = s.request("r")
+    for j, k in enumerate(keys):
+        r.set_offload_key_position(k, 16 * (j + 1))
+    assert s.lookup(r, keys) == [RETRY] * 4
+    s.end_step()
+    assert s.lookup(r, keys) == [MISS] * 4
+    assert s.tier.stats()["loads_submitted"] == 0 and s.tier.stats()["bypassed_hits"] == 4
+    fast = s.request("fast")  # no positions: answered as without bypass, promoted
+    assert s.lookup(fast, keys) == [HIT_PENDING] * 4
+    s.end_step()
+    s.io()
+    assert s.lookup(fast, keys) == [HIT] * 4
+    assert s.loaded_bytes(fast, keys) == [payload(k) for k in keys]
+    s.finish(r)
+    s.finish(fast)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"bypass": "on"}, r"bypass must be \"off\" or \"auto\", got 'on'"),
+    ({"bypass": "auto"}, "bypass: auto needs bypass_model"),
+    ({"bypass": "auto", "bypass_model": "gpt-5"}, "bypass_model: unknown model preset 'gpt-5'"),
+    ({"bypass_gpu": "v100"}, "bypass_gpu: unknown GPU preset 'v100'"),
+    ({"bypass_mfu": 0}, r"bypass_mfu must be a number in \(0, 1\], got 0"),
+    ({"bypass_bytes_per_s": -1}, "bypass_bytes_per_s must be a positive number"),
+])
+def test_bad_bypass_config(root, bad, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadingSpecFactory.create_spec(offloading_config([tier_config(root, **bad)])) \
+            .get_manager()

@@ -27,6 +27,16 @@ How it maps onto pykvtier:
 - ``lookup`` answers HIT, MISS or RETRY only: DiskTier's HIT_PENDING (a load of the block is
   already in flight) is a HIT here, since vLLM's manager makes HIT_PENDING of a tier's HIT
   itself and treats anything else as a miss.
+- ``bypass: auto`` (off by default): a request's hits answer MISS from the block where loading
+  them stops paying off (:func:`pykvtier.costmodel.loadable_prefix`; docs/design.md "Load or
+  recompute"). vLLM asks a tier one key at a time, with the request's ``ReqContext`` (the same
+  object for all its lookups, every step) and each key's end-token position in it
+  (``get_offload_key_position``), and starts a promotion on every HIT, so the tier cannot see
+  how many hits follow when it answers the first. If the first hit alone is worth loading, all
+  are (recompute grows along the prompt) and the adapter answers HIT at once; else it answers
+  RETRY for the request's hits that step (vLLM keeps scanning on RETRY and starts no
+  promotion), counting them, and decides on the request's next lookup with the count: HIT up to
+  block k, MISS past it (kept in the ``ReqContext``'s state for the request's later steps).
 
 Importing this module imports vLLM; importing ``pykvtier`` never does.
 """
@@ -34,6 +44,7 @@ Importing this module imports vLLM; importing ``pykvtier`` never does.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -64,6 +75,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .. import __version__, _native
 from ..config import DiskTierConfig, check_verify
+from ..costmodel import BandwidthEstimate, PrefillModel, get_gpu, loadable_prefix
+from ..models import get_preset
 from ..layout import RootLockedError, check_file_mode, key_digest, make_namespace_dir
 from ..tier import DiskTier
 from ..tier import JobResult as TierJobResult
@@ -117,6 +130,9 @@ class PyKVTierMetrics:
     BLOCKS_PRESENT = "pykvtier:blocks_present"
     LOAD_JOB_TIME = "pykvtier:load_job_seconds"
     STORE_JOB_TIME = "pykvtier:store_job_seconds"
+    BYPASSED_HITS = "pykvtier:bypassed_hits"
+    BYPASSED_REQUESTS = "pykvtier:bypassed_requests"
+    BYPASS_DEFERRALS = "pykvtier:bypass_deferrals"
 
 
 _LABELS = ("root",)
@@ -148,6 +164,17 @@ _COUNTERS = {
     PyKVTierMetrics.LOOKUP_HITS: ("hits", "Phase-1 lookups answered HIT."),
     PyKVTierMetrics.PROBES: ("probes", "Asynchronous existence probes (statx) submitted."),
     PyKVTierMetrics.SUBMITS: ("submits", "io_uring_submit calls that carried block I/O."),
+}
+# bypass counters (the adapter's, not a root's) -> (PyKVTier.stats() key, documentation)
+_BYPASS_COUNTERS = {
+    PyKVTierMetrics.BYPASSED_HITS: (
+        "bypassed_hits", "Blocks the tier held but answered MISS (bypass: auto): loading them "
+        "would have been slower than recomputing them."),
+    PyKVTierMetrics.BYPASSED_REQUESTS: (
+        "bypassed_requests", "Requests with blocks answered MISS by bypass: auto."),
+    PyKVTierMetrics.BYPASS_DEFERRALS: (
+        "bypass_deferrals", "Requests answered RETRY for one step to count their hits "
+        "(bypass: auto, the first hit not worth loading alone)."),
 }
 
 
@@ -278,6 +305,20 @@ class PyKVTierConfig:
         "payload", "what a load checks: `payload` (header, key digest, length and the payload's "
                    "XXH3-64) or `header` (all but the payload checksum, which stores then skip "
                    "too: for file systems that checksum data, e.g. btrfs, ZFS)")
+    bypass: str = _key(
+        "off", "`auto`: a request loads only the prefix of its hits that loads no slower than "
+               "the GPU recomputes it; its other hits answer MISS, counted "
+               "(`pykvtier:bypassed_hits`; see \"Load or recompute\"); `off`: every hit is a HIT")
+    bypass_model: str | None = _key(
+        None, "model preset of the recompute estimate: `llama-3-8b`, `qwen2.5-7b`, "
+              "`llama-3-70b`; required with `bypass: auto`")
+    bypass_gpu: str = _key(
+        "h100", "GPU preset of the recompute estimate (`h100`, `h200`, `a100`, `l40s`: peak dense "
+                "bf16 FLOP/s), times vLLM's tensor-parallel size")
+    bypass_mfu: float = _key(0.5, "model FLOPs utilization of the recompute estimate, in (0, 1]")
+    bypass_bytes_per_s: float | None = _key(
+        None, "load bandwidth (bytes/s) assumed until a load has been measured (then a moving "
+              "estimate of the finished loads, half-life 5 s); `null`: every hit loads until then")
 
     @classmethod
     def from_options(cls, tier_type: str, options: dict[str, Any]) -> PyKVTierConfig:
@@ -324,6 +365,29 @@ class PyKVTierConfig:
             check_verify(self.verify)
         except ValueError as exc:
             raise ValueError(f"PyKVTier: {exc}") from None
+        self._check_bypass()
+
+    def _check_bypass(self) -> None:
+        if self.bypass not in ("off", "auto"):
+            raise ValueError(f"PyKVTier: bypass must be \"off\" or \"auto\", got {self.bypass!r}")
+        try:
+            get_gpu(self.bypass_gpu)
+        except ValueError as exc:
+            raise ValueError(f"PyKVTier: bypass_gpu: {exc}") from None
+        m = self.bypass_mfu
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
+            raise ValueError(f"PyKVTier: bypass_mfu must be a number in (0, 1], got {m!r}")
+        if self.bypass_bytes_per_s is not None:
+            _check_number("bypass_bytes_per_s", self.bypass_bytes_per_s, float)
+        if self.bypass_model is None:
+            if self.bypass == "auto":
+                raise ValueError("PyKVTier: bypass: auto needs bypass_model, the model preset of "
+                                 "the recompute estimate (llama-3-8b, qwen2.5-7b, llama-3-70b)")
+            return
+        try:
+            PrefillModel(get_preset(self.bypass_model), self.bypass_gpu, float(m))
+        except ValueError as exc:
+            raise ValueError(f"PyKVTier: bypass_model: {exc}") from None
 
     def disk_tier_options(self) -> dict[str, Any]:
         """The DiskTier keywords every root's tier gets (capacity split over the roots)."""
@@ -381,6 +445,23 @@ def _roots(root_dir: Any) -> list[str]:
             raise ValueError(f"PyKVTier: root_dir lists {r!r} twice")
         seen.add(a)
     return roots
+
+
+@dataclass
+class _BypassState:
+    """A request's bypass decision, kept in its ``ReqContext`` (:class:`_BypassStates`):
+    ``cutoff``, the end-token position past which its hits answer MISS (``math.inf``: none;
+    None: not decided yet); while undecided, ``counted``: the end positions of the hits
+    answered RETRY in step ``step``."""
+
+    cutoff: float | None = None
+    counted: set[int] | None = None
+    step: int = -1
+
+
+class _BypassStates(dict):
+    """A request's :class:`_BypassState` per PyKVTier (``id`` of the tier): the ReqContext's
+    state is keyed by type, and a manager may hold several PyKVTier tiers."""
 
 
 class PyKVTier(SecondaryTierManager):
@@ -463,6 +544,7 @@ class PyKVTier(SecondaryTierManager):
         self._job_times: list[tuple[bool, float]] = []  # (is_load, transfer seconds)
         self._fallbacks_reported = False
         self._closed = False
+        self._init_bypass(cfg, offloading_spec)
         block = self.block_size_bytes
         self._info = PyKVTierInfo(
             pykvtier_version=__version__, pykvtier_engine=self.engine_name,
@@ -473,6 +555,26 @@ class PyKVTier(SecondaryTierManager):
         logger.info("pykvtier: vLLM tier %r on %s: %d-byte blocks, engine %s, O_DIRECT %s, "
                     "capacity %s", tier_type, self.namespace_dirs, block, self.engine_name,
                     self.direct, cfg.capacity_bytes)
+
+    def _init_bypass(self, cfg: PyKVTierConfig, spec: OffloadingSpec) -> None:
+        """bypass: auto's cost model: the recompute estimate over vLLM's tensor-parallel GPUs,
+        a key's tokens (a chunk: GPU block tokens x blocks_per_chunk, of the first KV group),
+        the bandwidth estimate; counters."""
+        self.bypassed_hits = 0
+        self.bypassed_requests = 0
+        self.bypass_deferrals = 0
+        self._bypass_reported = {k: 0 for k, _ in _BYPASS_COUNTERS.values()}
+        self._step = 0  # scheduler steps ended (on_schedule_end)
+        self._step_hits = 0  # HITs answered this step: promotions vLLM submits at its end
+        self.prefill: PrefillModel | None = None
+        self.bandwidth: BandwidthEstimate | None = None
+        if cfg.bypass != "auto":
+            return
+        tp = getattr(getattr(getattr(spec, "config", None), "parallel", None), "tp_size", 1) or 1
+        self.prefill = PrefillModel(get_preset(cfg.bypass_model), cfg.bypass_gpu, cfg.bypass_mfu,
+                                    gpus=int(tp))
+        self.tokens_per_key = int(spec.tokens_per_block[0]) * int(spec.blocks_per_chunk)
+        self.bandwidth = BandwidthEstimate(cfg.bypass_bytes_per_s)
 
     def _open_roots(self, cfg: PyKVTierConfig, spec: OffloadingSpec, view: memoryview) -> None:
         """One DiskTier per root, in its namespace directory, the primary view as its arena;
@@ -532,12 +634,100 @@ class PyKVTier(SecondaryTierManager):
         return int.from_bytes(digest[:8], "little") % len(self._tiers)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT, MISS or RETRY from the in-memory index; never blocks (see DiskTier.lookup)."""
+        """HIT, MISS or RETRY from the in-memory index; never blocks (see DiskTier.lookup).
+        With ``bypass: auto``, a request's hits past its loadable prefix answer MISS, and its
+        hits answer RETRY for one step while they are counted (module docs, _lookup_bypass)."""
+        if self.prefill is not None:
+            return self._lookup_bypass(key, req_context)
         if self._single_code is not None:
             r = self._single_code(key)  # one call into the tier's index
             return _LOOKUP_CODE[r] if r < 4 else _LOOKUP[self._single.lookup(key)]
         d = key_digest(key)  # once: the shard and the tier's index
         return _LOOKUP[self._tiers[self._shard(d)].lookup_digest(d)]
+
+    def _lookup(self, key: OffloadKey) -> LookupResult:
+        """The answer without bypass (lookup's own path, for _lookup_bypass)."""
+        if self._single_code is not None:
+            r = self._single_code(key)  # one call into the tier's index
+            return _LOOKUP_CODE[r] if r < 4 else _LOOKUP[self._single.lookup(key)]
+        d = key_digest(key)  # once: the shard and the tier's index
+        return _LOOKUP[self._tiers[self._shard(d)].lookup_digest(d)]
+
+    def _lookup_bypass(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """bypass: auto. A key without a position in its request (``get_offload_key_position``
+        None) is answered as without bypass. Else, per request (a :class:`_BypassState` in its
+        ReqContext):
+
+        - decided: a HIT past the cutoff position answers MISS;
+        - its first HIT: no bandwidth estimate yet, or the block alone loads in time
+          (``loadable_prefix(1, ...) == 1``, the bytes queued = this tier's load jobs in flight
+          and this step's HITs): HIT, and every later one (no cutoff); else RETRY, and this
+          step's HITs of the request are counted (RETRY each);
+        - its first lookup in a later step decides: ``k = loadable_prefix(counted hits, ...)``
+          on the counted blocks' recompute seconds, cutoff = the k-th counted block's end
+          (none when k is all of them), ``bypassed_hits += hits - k``.
+        """
+        plain = self._lookup(key)
+        end = ctx.get_offload_key_position(key) if ctx is not None else None
+        if end is None:
+            if plain is LookupResult.HIT:
+                self._step_hits += 1
+            return plain
+        states = ctx.get_state(_BypassStates)
+        if states is None:
+            states = _BypassStates()
+            ctx.set_state(states)
+        st = states.get(id(self))
+        if st is None:
+            st = states[id(self)] = _BypassState()
+        if st.cutoff is None and st.counted is not None and st.step != self._step:
+            self._decide(st)
+        if st.cutoff is not None:
+            if plain is LookupResult.HIT:
+                if end > st.cutoff:
+                    return LookupResult.MISS
+                self._step_hits += 1
+            return plain
+        if plain is not LookupResult.HIT:
+            return plain
+        if st.counted is not None:  # this step's count
+            st.counted.add(end)
+            return LookupResult.RETRY
+        bw = self.bandwidth.bytes_per_s
+        if not bw or loadable_prefix(1, self.block_size_bytes, self._queued_bytes(), bw,
+                                     [self._recompute_seconds(end)]) == 1:
+            st.cutoff = math.inf  # (recompute grows along the prompt: all the hits load)
+            self._step_hits += 1
+            return plain
+        st.counted = {end}
+        st.step = self._step
+        self.bypass_deferrals += 1
+        return LookupResult.RETRY
+
+    def _decide(self, st: _BypassState) -> None:
+        ends = sorted(st.counted)
+        st.counted = None
+        bw = self.bandwidth.bytes_per_s
+        k = len(ends)
+        if bw:
+            k = loadable_prefix(len(ends), self.block_size_bytes, self._queued_bytes(), bw,
+                                [self._recompute_seconds(e) for e in ends])
+        st.cutoff = math.inf if k == len(ends) else (ends[k - 1] if k else 0)
+        if k < len(ends):
+            self.bypassed_hits += len(ends) - k
+            self.bypassed_requests += 1
+
+    def _recompute_seconds(self, end: int) -> float:
+        """Recompute seconds of the key ending at token ``end``: its ``tokens_per_key`` tokens
+        (fewer at the prompt's start)."""
+        start = max(0, end - self.tokens_per_key)
+        return self.prefill.block_seconds(start, end - start)
+
+    def _queued_bytes(self) -> int:
+        """Bytes queued ahead of a new load: the keys of this tier's load jobs not reported
+        yet, and the HITs answered this step (vLLM submits their loads at the step's end)."""
+        keys = sum(len(ks) for j in self._jobs.values() if j.is_load for ks in j.parts.values())
+        return self.block_size_bytes * (keys + self._step_hits)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self._single is not None:
@@ -557,6 +747,8 @@ class PyKVTier(SecondaryTierManager):
         """Submits the step's existence probes (shared roots): one batch per root."""
         for tier in self._tiers:
             tier.on_step_end()
+        self._step += 1
+        self._step_hits = 0
 
     # ------------------------------------------------------------------ phase 2
 
@@ -687,6 +879,8 @@ class PyKVTier(SecondaryTierManager):
         if job.claimed:
             self._claims.release(job.claimed, job.is_load)
         self._job_times.append((job.is_load, job.transfer_time))
+        if job.is_load and self.bandwidth is not None and job.transfer_bytes and job.transfer_time:
+            self.bandwidth.update(job.transfer_bytes, job.transfer_time)
         out.append(JobResult(
             job_id=job.job_id,
             success=job.success,
@@ -815,6 +1009,8 @@ class PyKVTier(SecondaryTierManager):
             documentation="Seconds per load job in the disk tier's engine.", buckets=buckets)
         defs[M.STORE_JOB_TIME] = OffloadingHistogramMetadata(
             documentation="Seconds per store job in the disk tier's engine.", buckets=buckets)
+        for name, (_key, doc) in _BYPASS_COUNTERS.items():
+            defs[name] = OffloadingCounterMetadata(documentation=doc)
         return defs
 
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -843,6 +1039,11 @@ class PyKVTier(SecondaryTierManager):
             stats.set_gauge(M.USED_BYTES, cur["used_bytes"], label)
             stats.set_gauge(M.BLOCKS_PRESENT, cur["blocks_present"], label)
         self._fallbacks_reported = True
+        for name, (key, _doc) in _BYPASS_COUNTERS.items():
+            cur = getattr(self, key)
+            if cur != self._bypass_reported[key]:
+                stats.increase_counter(name, cur - self._bypass_reported[key])
+                self._bypass_reported[key] = cur
         for is_load, t in self._job_times:
             stats.observe_histogram(M.LOAD_JOB_TIME if is_load else M.STORE_JOB_TIME, t)
         self._job_times.clear()
@@ -856,11 +1057,15 @@ class PyKVTier(SecondaryTierManager):
         return self._info.as_config_info()
 
     def stats(self) -> dict[str, int]:
-        """DiskTier.stats() summed over the roots (for tests, benchmarks and logs)."""
+        """DiskTier.stats() summed over the roots (for tests, benchmarks and logs), and the
+        bypass counters: ``bypassed_hits`` (blocks held but answered MISS), ``bypassed_requests``,
+        ``bypass_deferrals`` (requests answered RETRY a step to count their hits)."""
         total: dict[str, int] = {}
         for tier in self._tiers:
             for k, v in tier.stats().items():
                 total[k] = total.get(k, 0) + v
+        for key, _doc in _BYPASS_COUNTERS.values():
+            total[key] = getattr(self, key)
         return total
 
     @property
