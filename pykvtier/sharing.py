@@ -300,7 +300,7 @@ class RootKeeper:
                       "shared_use_times_set": 0, "shared_rescans": 0, "shared_evictor_terms": 0,
                       "shared_dead_members": 0, "shared_round_errors": 0}
         # --- the keeper thread's own
-        self._published: tuple[int, int] | None = None
+        self._published: tuple[int, ...] | None = None
         self._log_gen: int | None = None
         self._log_offset = 0
         self._used_at: dict[bytes, float] = {}
@@ -464,12 +464,13 @@ class RootKeeper:
                     and time.monotonic() >= self._want_at + RETURN_IDLE_S):
                 self.returned += unused  # idle: the evictor may give it to others
                 self.wanted = self.first = self.reserved + self.returned
-            figures = (self.reserved, self.settled, self.returned, self.wanted, self.first)
+            figures = (self.reserved, self.settled, self.returned, self.wanted, self.first,
+                       self.granted)
         if figures != self._published:
             _write_record(self._member_path(".json"), {
                 "reserved": figures[0], "settled": figures[1], "returned": figures[2],
-                "wanted": figures[3], "first": figures[4], "pid": os.getpid(),
-                "host": socket.gethostname()},
+                "wanted": figures[3], "first": figures[4], "granted": figures[5],
+                "pid": os.getpid(), "host": socket.gethostname()},
                 self.file_mode)
             self._published = figures
 
@@ -601,6 +602,9 @@ class RootKeeper:
                     m.wanted = w
                     h = f.get("first", w)
                     m.first = min(h, w) if isinstance(h, int) else w
+                q = f.get("granted")  # (what it holds: a new evictor without the last grants
+                if isinstance(q, int) and q > m.granted:  # record, or a torn one, counts it)
+                    m.granted = q
         for mid, m in ev.members.items():  # gone from the directory: dead (removed by another)
             if mid not in ids and m.alive:
                 m.alive = False

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+import pykvtier.sharing as sharing
 import pykvtier.tier as tier_mod
 from pykvtier import DiskTier, JobResult, TransferJob
 from pykvtier.layout import HEADER_BYTES, key_digest
@@ -297,3 +298,54 @@ def test_a_dead_member_is_dropped_beside_foreign_lock_entries(tmp_path, manual):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_takeover_without_the_grants_record_still_counts_the_grants_members_hold(
+        tmp_path, manual, clock, arena, monkeypatch):
+    """The evictor's grants.json is gone (removed, or torn by a crash) when a new evictor takes
+    over: its books started every member's grant at 0, so the headroom b held unused was
+    granted again (to c) and b's stores into it took the root past capacity_bytes by more than a
+    block per member. Members should publish their grant, and a new evictor count it."""
+    monkeypatch.setattr(sharing, "RETURN_IDLE_S", 3600.0)  # (b keeps its unused grant)
+    bs = 4096
+    fb = bs + HEADER_BYTES
+    cap = 128
+    root = str(tmp_path / "root")
+    e, b, c = (DiskTier(root, bs, shared=True, capacity_bytes=cap * fb) for _ in range(3))
+    tiers = (e, b, c)
+    try:
+        for t in tiers:
+            t.set_arena(arena(122, bs))
+        e._keeper.run_once()
+        assert e._keeper.is_evictor
+        got: dict[int, JobResult] = {}
+        b.submit_store(TransferJob(1, [b"b0"], [0]))
+        rounds(*tiers, into=got)
+        collect(b, got)
+        assert got[1].success
+        held = b._keeper.room()
+        assert held == 5 * fb  # its headroom share: cap / 8 over 3 members
+        e.submit_store(TransferJob(2, [b"e%d" % i for i in range(122)], list(range(122))))
+        rounds(*tiers, into=got)
+        collect(e, got)
+        assert got[2].success
+        assert len(block_files(root)) == 123  # b's 5 unused blocks of grant make the 128
+        set_mtimes(block_files(root), OLD_NS)  # (all evictable from now on)
+        os.unlink(os.path.join(root, "shared", "grants.json"))
+        e.shutdown()
+        c.submit_store(TransferJob(3, [b"c%d" % i for i in range(5)], list(range(5))))
+        c._keeper._evictor_try_at = 0.0
+        c._keeper.run_once()
+        assert c._keeper.is_evictor
+        for _ in range(4):
+            rounds(b, c, into=got)
+            collect(c, got)
+        assert got[3].success
+        b.submit_store(TransferJob(4, [b"b%d" % i for i in range(1, 6)], list(range(5))))
+        collect(b, got)  # (within its grant: not waiting)
+        assert got[4].success
+        assert len(block_files(root)) <= cap  # (132: c was granted what b held unused again)
+    finally:
+        clock.tick(11)
+        for t in tiers:
+            t.shutdown()
