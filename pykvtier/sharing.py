@@ -343,8 +343,10 @@ class RootKeeper:
             self.settled += nbytes
 
     def room(self) -> int:
-        """Bytes this member may reserve now."""
+        """Bytes this member may reserve now (a store asks before it reserves: the member is
+        busy, its unused grant is not given back for RETURN_IDLE_S from now)."""
         with self._mu:
+            self._want_at = time.monotonic()
             return self.granted - self.reserved - self.returned
 
     def want(self, waiting_bytes: int, first_bytes: int | None = None) -> None:

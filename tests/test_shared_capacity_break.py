@@ -349,3 +349,45 @@ def test_a_takeover_without_the_grants_record_still_counts_the_grants_members_ho
         clock.tick(11)
         for t in tiers:
             t.shutdown()
+
+
+def test_an_idle_members_grant_given_back_during_a_store_is_not_written_past(
+        tmp_path, manual, clock, arena, monkeypatch):
+    """A member idle for RETURN_IDLE_S gives back its unused grant at its keeper's next round.
+    A store submitted just then read room() (enough), and the round gave the grant back before
+    the store's reserve(), whose False was ignored: the blocks were written without a grant
+    (reserved + returned would be past granted: the evictor's books did not count them). A
+    member should not give its grant back while a store is on its way to reserving it."""
+    root = str(tmp_path / "root")
+    t = DiskTier(root, BS, shared=True, capacity_bytes=64 * FB)
+    try:
+        t.set_arena(arena(2, BS))
+        k = t._keeper
+        k.run_once()
+        got: dict[int, JobResult] = {}
+        t.submit_store(TransferJob(1, [b"first"], [0]))
+        rounds(t, into=got)
+        collect(t, got)
+        assert got[1].success and k.room() == 8 * FB  # its headroom share, unused
+        calls = []
+        room = k.room
+
+        def room_then_a_keeper_round() -> int:
+            out = room()
+            calls.append(out)
+            if len(calls) == 2:  # (the keeper thread's round, between room() and reserve())
+                k._publish()
+            return out
+
+        monkeypatch.setattr(k, "room", room_then_a_keeper_round)
+        k._want_at = time.monotonic() - 2 * sharing.RETURN_IDLE_S  # idle since its last store
+        t.submit_store(TransferJob(2, [b"second"], [0]))
+        for _ in range(3):
+            rounds(t, into=got)
+            collect(t, got)
+        assert got[2].success
+        assert k.reserved == 2 * FB  # (1 block: the second store's was never reserved)
+        assert k.reserved + k.returned <= k.granted
+    finally:
+        clock.tick(11)
+        t.shutdown()
