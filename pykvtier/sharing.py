@@ -76,6 +76,10 @@ LOG_ROTATE_BYTES = _DIGEST << 16
 HEADROOM = 1 / 8
 #: Block files younger than this at the start of a count are left out of its candidates.
 COUNT_MARGIN_S = 0.1
+#: Block files dated more than this ahead of the evictor's clock (a node whose clock is ahead,
+#: or the evictor's behind) are candidates all the same, the newest: else none of them could
+#: be evicted until the clocks met.
+FUTURE_S = 60.0
 #: Seconds without a store waiting after which a member gives back the grant it has not used.
 RETURN_IDLE_S = 1.0
 
@@ -620,6 +624,7 @@ class RootKeeper:
         # (less a margin: a file system stamps times from a coarse clock, a tick behind, and
         # nodes' clocks differ by a few ms under NTP)
         start_ns = time.time_ns() - int(COUNT_MARGIN_S * 1e9)
+        future_ns = start_ns + int((COUNT_MARGIN_S + FUTURE_S) * 1e9)
         self._read_members(ev, now)  # (the figures just before the count: little counted twice)
         for m in ev.members.values():
             # Stores settled before the count are in it; those in flight (a temporary still
@@ -644,7 +649,7 @@ class RootKeeper:
                     d = self._digest_from_name(de.name)
                     if d is not None:
                         counted += st.st_size
-                        if st.st_mtime_ns < start_ns:
+                        if st.st_mtime_ns < start_ns or st.st_mtime_ns > future_ns:
                             cands.append(_Candidate(st.st_mtime_ns, d, st.st_size))
                     else:  # a temporary: a whole block file once written
                         counted += max(st.st_size, self.file_bytes)

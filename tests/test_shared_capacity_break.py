@@ -96,7 +96,7 @@ def test_partial_grants_spread_over_members_do_not_deadlock_the_root(tmp_path, m
         xs = [e.layout.block_path(key_digest(k)) for k in (b"x1", b"x2")]
         ys = [e.layout.block_path(key_digest(k)) for k in (b"y1", b"y2")]
         set_mtimes(xs, OLD_NS)  # evictable
-        set_mtimes(ys, time.time_ns() + 3600 * 10**9)  # not yet (newer than the count)
+        set_mtimes(ys, time.time_ns() + 10 * 10**9)  # not yet (newer than the count)
         a.submit_store(TransferJob(2, [b"a1", b"a2", b"a3"], [0, 1, 2]))
         b.submit_store(TransferJob(3, [b"b1", b"b2", b"b3"], [0, 1, 2]))
         e._keeper._ev.rescan_soon = True
@@ -388,6 +388,38 @@ def test_an_idle_members_grant_given_back_during_a_store_is_not_written_past(
         assert got[2].success
         assert k.reserved == 2 * FB  # (1 block: the second store's was never reserved)
         assert k.reserved + k.returned <= k.granted
+    finally:
+        clock.tick(11)
+        t.shutdown()
+
+
+def test_blocks_dated_in_the_future_can_still_be_evicted(tmp_path, manual, clock, arena):
+    """A node whose clock is an hour ahead wrote (or used) every block on the root: their
+    modification times are in the evictor's future, and blocks newer than a count's start are
+    no eviction candidates, so nothing could ever be evicted: every store 'no capacity' for an
+    hour (as with an evictor whose own clock is behind). Blocks dated far ahead should be
+    candidates (the newest)."""
+    root = str(tmp_path / "root")
+    t = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    try:
+        t.set_arena(arena(2, BS))
+        t._keeper.run_once()
+        got: dict[int, JobResult] = {}
+        t.submit_store(TransferJob(1, [b"f0", b"f1"], [0, 1]))
+        rounds(t, into=got)
+        collect(t, got)
+        assert got[1].success
+        ahead = time.time_ns() + 3600 * 10**9
+        set_mtimes([t.layout.block_path(key_digest(k)) for k in (b"f0", b"f1")], ahead)
+        t._keeper._ev.rescan_soon = True
+        t.submit_store(TransferJob(2, [b"now"], [0]))
+        for _ in range(3):
+            rounds(t, into=got)
+            collect(t, got)
+        assert 2 in got and got[2].success
+        assert [os.path.exists(t.layout.block_path(key_digest(k))) for k in (b"f0", b"f1")] \
+            == [False, True]  # the older of the two went
+        assert len(block_files(root)) == 2
     finally:
         clock.tick(11)
         t.shutdown()
