@@ -310,6 +310,8 @@ class RootKeeper:
         self._used_at: dict[bytes, float] = {}
         self._use_every_s = 1.0  # (until the evictor publishes its horizon)
         self._last_grants: dict = {}  # the grants record last read (for describe())
+        self._round_error: str | None = None  # what the last round raised (None: it did not)
+        self._capacity_warned = False
         self._evictor_fd: int | None = None
         self._ev: _EvictorState | None = None
         self._evictor_try_at = -1e18
@@ -387,18 +389,28 @@ class RootKeeper:
             return self._mu.wait_for(lambda: self.granted > before, timeout_s)
 
     def describe(self) -> str:
-        """This member's grant and the evictor's last word, for an error message."""
+        """The root's capacity (the evictor's), this member's grant, the evictor's last word and
+        what this member's rounds fail on, if they do: for an error message."""
         g = self._last_grants
+        cap = g.get("capacity_bytes", self.capacity_bytes) if g else self.capacity_bytes
+        out = f"capacity_bytes={cap} for the root"
+        if cap != self.capacity_bytes:
+            out += f" (the evictor's; this tier's {self.capacity_bytes})"
         with self._mu:
-            mine = (f"this tier's grant {self.granted - self.reserved - self.returned} B unused, "
-                    f"{self.wanted - self.reserved - self.returned} B wanted")
+            out += (f"; this tier's grant {self.granted - self.reserved - self.returned} B "
+                    f"unused, {self.wanted - self.reserved - self.returned} B wanted")
         if not g:
-            return f"{mine}; no evictor has written {os.path.join(self.dir, _GRANTS)} yet"
-        room, free = g.get("room"), g.get("free_bytes")
-        why = f"room {room} B left" if isinstance(room, int) else "room unknown"
-        if isinstance(free, int):
-            why += f" (the file system's free space {free} B, less min_free_bytes and grants)"
-        return f"{mine}; the evictor {g.get('evictor')} reports {why}"
+            out += f"; no evictor has written {os.path.join(self.dir, _GRANTS)} yet"
+        else:
+            room, free = g.get("room"), g.get("free_bytes")
+            why = f"room {room} B left" if isinstance(room, int) else "room unknown"
+            if isinstance(free, int):
+                why += f" (the file system's free space {free} B, less min_free_bytes and grants)"
+            out += f"; the evictor {g.get('evictor')} reports {why}"
+        err = self._round_error
+        if err is not None:
+            out += f"; this tier's keeper rounds fail: {err}"
+        return out
 
     @property
     def is_evictor(self) -> bool:
@@ -443,25 +455,35 @@ class RootKeeper:
     def run_once(self) -> None:
         """One round: publish this member's figures; if no evictor holds the root, try to
         become it; as evictor, count, evict and grant; read the grants and the eviction log;
-        set use times. Any thread (rounds are serialized)."""
+        set use times. Any thread (rounds are serialized). What a failed round raised is kept
+        for :meth:`describe` until a round succeeds."""
         with self._round:
-            if self._member_lock is None:
-                return
-            self._publish()
-            now = time.monotonic()
-            if self._evictor_fd is None and now >= self._evictor_try_at:
-                self._evictor_try_at = now + LIVENESS_S
-                self._evictor_fd = _try_lock(os.path.join(self.dir, _EVICTOR_LOCK),
-                                             self.file_mode, create=True)
-                if self._evictor_fd is not None:
-                    self.stats["shared_evictor_terms"] += 1
-                    self._ev = self._take_over()
+            try:
+                self._round_once()
+            except Exception as exc:
+                self._round_error = f"{type(exc).__name__}: {exc}"
+                raise
+            self._round_error = None
+
+    def _round_once(self) -> None:
+        """run_once's round, under ``_round``."""
+        if self._member_lock is None:
+            return
+        self._publish()
+        now = time.monotonic()
+        if self._evictor_fd is None and now >= self._evictor_try_at:
+            self._evictor_try_at = now + LIVENESS_S
+            self._evictor_fd = _try_lock(os.path.join(self.dir, _EVICTOR_LOCK),
+                                         self.file_mode, create=True)
             if self._evictor_fd is not None:
-                self._evict_and_grant(now)
-                self._publish()  # (the grants below are read back through the file)
-            self._read_grants()
-            self._read_log()
-            self._set_use_times(now)
+                self.stats["shared_evictor_terms"] += 1
+                self._ev = self._take_over()
+        if self._evictor_fd is not None:
+            self._evict_and_grant(now)
+            self._publish()  # (the grants below are read back through the file)
+        self._read_grants()
+        self._read_log()
+        self._set_use_times(now)
 
     def _publish(self) -> None:
         with self._mu:
@@ -485,6 +507,12 @@ class RootKeeper:
         if g is None:
             return
         self._last_grants = g
+        cap = g.get("capacity_bytes", self.capacity_bytes)
+        if cap != self.capacity_bytes and not self._capacity_warned:
+            self._capacity_warned = True
+            logger.warning("pykvtier: shared root %s: this tier's capacity_bytes=%s differs from "
+                           "the evictor's (%s): the evictor's is the root's", self.dir,
+                           self.capacity_bytes, cap)
         mine = g.get("grants", {}).get(self.member_id)
         if isinstance(mine, int):
             with self._mu:
@@ -795,7 +823,8 @@ class RootKeeper:
         if (grants != ev.grants_written or not os.path.exists(os.path.join(self.dir, _GRANTS))
                 or (room_blocks != ev.room_written and now >= ev.written_at + 1.0)):
             rec = {"evictor": self.member_id, "log_gen": ev.log_gen, "grants": grants,
-                   "horizon_s": ev.horizon_s, "room": room_blocks * fb}
+                   "horizon_s": ev.horizon_s, "room": room_blocks * fb,
+                   "capacity_bytes": self.capacity_bytes}
             if self.capacity_bytes is None:
                 rec["free_bytes"] = ev.free_bytes
             _write_record(os.path.join(self.dir, _GRANTS), rec, self.file_mode)

@@ -1055,7 +1055,7 @@ class DiskTier:
         """A key that gets no room: failed, counted, warned about."""
         done[key] = (
             f"no capacity: the shared root's evictor granted no room within {_GRANT_WAIT_S:g} s "
-            f"(capacity_bytes={self.capacity_bytes} for the root; {self._keeper.describe()})"
+            f"({self._keeper.describe()})"
             if self._keeper is not None else
             "no capacity: every block is in use"
             if self.capacity_bytes is not None

@@ -423,3 +423,61 @@ def test_blocks_dated_in_the_future_can_still_be_evicted(tmp_path, manual, clock
     finally:
         clock.tick(11)
         t.shutdown()
+
+
+def test_no_capacity_names_the_evictors_capacity_when_members_differ(
+        tmp_path, manual, clock, arena, caplog):
+    """Members with different capacity_bytes: the evictor's is the root's. A store of b that got
+    no room said 'capacity_bytes=<b's> for the root', which is not what was kept. It should name
+    the evictor's (and b's own), and b should warn once that they differ."""
+    root = str(tmp_path / "root")
+    a = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    b = DiskTier(root, BS, shared=True, capacity_bytes=64 * FB)
+    try:
+        a._keeper.run_once()
+        assert a._keeper.is_evictor
+        b.set_arena(arena(3, BS))
+        got: dict[int, JobResult] = {}
+        with caplog.at_level("WARNING", logger="pykvtier"):
+            b.submit_store(TransferJob(1, [b"p", b"q", b"r"], [0, 1, 2]))
+            rounds(a, b, into=got)
+            rounds(a, b, into=got)
+        clock.tick(11)
+        rounds(a, b, into=got)
+        collect(b, got)
+        assert got[1].successful_keys == [b"p", b"q"]
+        why = got[1].failed_keys[b"r"]
+        assert f"capacity_bytes={2 * FB} for the root (the evictor's; this tier's {64 * FB})" \
+            in why, why
+        warned = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert f"capacity_bytes={64 * FB}" in warned[0] and f"{2 * FB}" in warned[0]
+    finally:
+        clock.tick(11)
+        a.shutdown()
+        b.shutdown()
+
+
+def test_no_capacity_says_why_the_keepers_rounds_fail(tmp_path, manual, clock, arena):
+    """ROOT/shared/members/ removed while a tier runs (say, by hand): every keeper round fails
+    (logged once a minute), and a store that got no grant said only 'no evictor has written
+    grants.json yet'. It should say what the rounds meet."""
+    import shutil
+
+    root = str(tmp_path / "root")
+    t = DiskTier(root, BS, shared=True, capacity_bytes=8 * FB)
+    try:
+        t.set_arena(arena(1, BS))
+        shutil.rmtree(os.path.join(root, "shared"))
+        with pytest.raises(FileNotFoundError):
+            t._keeper.run_once()
+        got: dict[int, JobResult] = {}
+        t.submit_store(TransferJob(1, [b"k"], [0]))
+        clock.tick(11)
+        collect(t, got)
+        why = got[1].failed_keys[b"k"]
+        assert "this tier's keeper rounds fail: FileNotFoundError" in why, why
+        assert os.path.join(root, "shared", "members") in why
+    finally:
+        clock.tick(11)
+        t.shutdown()
