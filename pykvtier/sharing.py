@@ -692,7 +692,8 @@ class RootKeeper:
 
     def _limit(self, ev: _EvictorState) -> int:
         """The byte count the books may reach: capacity_bytes, or (None) what they count now plus
-        the file system's free space above min_free_bytes, less what is granted and unwritten."""
+        the file system's free space above min_free_bytes, less what is granted and unwritten
+        (not reserved yet, or reserved by stores in flight: the free space may not show them)."""
         if self.capacity_bytes is not None:
             return self.capacity_bytes
         try:
@@ -702,7 +703,7 @@ class RootKeeper:
         ev.free_bytes = st.f_bavail * st.f_frsize
         if st.f_blocks == 0:  # no figures (ramfs, some FUSE layers): nothing to keep
             return 1 << 62
-        unwritten = sum(max(0, m.granted - m.reserved - m.returned) for m in ev.members.values()
+        unwritten = sum(max(0, m.granted - m.settled - m.returned) for m in ev.members.values()
                         if m.alive)
         return (self._committed(ev) + st.f_bavail * st.f_frsize - self.min_free_bytes
                 - unwritten)

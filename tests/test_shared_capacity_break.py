@@ -481,3 +481,35 @@ def test_no_capacity_says_why_the_keepers_rounds_fail(tmp_path, manual, clock, a
     finally:
         clock.tick(11)
         t.shutdown()
+
+
+def test_without_capacity_stores_in_flight_count_against_the_free_space(
+        tmp_path, manual, clock, monkeypatch):
+    """capacity_bytes=None: the evictor grants the file system's free space above
+    min_free_bytes, less the grants not reserved yet. Bytes reserved by stores still in flight
+    (not on the disk yet: statvfs does not see them) were not taken off, so they were granted
+    again: 4 blocks free, 3 of them reserved by b's stores in flight, and e was granted 4 more
+    (7 to write into 4: ENOSPC, or min_free_bytes eaten)."""
+    root = str(tmp_path / "root")
+    e = DiskTier(root, BS, shared=True, min_free_bytes=0)
+    b = DiskTier(root, BS, shared=True, min_free_bytes=0)
+
+    class Fs:  # the root's file system: 4 block files free, whatever is written meanwhile
+        f_frsize, f_bavail, f_blocks = FB, 4, 100
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Fs)
+    try:
+        e._keeper.run_once()
+        assert e._keeper.is_evictor
+        b._keeper.want(3 * FB)
+        rounds(e, b)
+        assert b._keeper.room() == 3 * FB
+        assert b._keeper.reserve(3 * FB)  # (a store of 3 blocks on its way to the disk)
+        e._keeper.want(4 * FB)
+        rounds(b, e)
+        assert e._keeper.granted == 0  # 1 block of room left, not 4
+        assert e._keeper._ev.room_written == 1
+    finally:
+        monkeypatch.undo()
+        for t in (e, b):
+            t.shutdown()
