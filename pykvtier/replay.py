@@ -1,6 +1,8 @@
 """``pykvtier replay``: replay a KV-cache trace against a :class:`~pykvtier.DiskTier`.
 
-For each request, in trace order, the replay does what an inference engine does with a
+Requests arrive at their trace timestamps (``--speed``; ``--as-fast-as-possible``: one after
+the other) and a scheduler step every ``--step-ms`` takes those that arrived (see
+:class:`ReplayDriver`). For each request the replay does what an inference engine does with a
 secondary tier:
 
 1. **phase 1** - look up the request's prefix blocks in order and stop at the first MISS;
@@ -13,9 +15,14 @@ secondary tier:
 
 A trace block (512 tokens) is split into ``512 / tokens_per_block`` engine blocks of the
 model's real KV size (:mod:`pykvtier.models`); engine block ``(hash_id, i)`` has the key
-:func:`block_key`. The block bytes are a 4 KiB random table XORed with a 64-bit word derived
-from the key and the page index, so every 4 KiB page differs by key and by page index and a
-block costs one memory pass to make and one to check.
+:func:`block_key`. The replay moves the first of them up to ``--kv-sample`` bytes (a trace
+block is hit or missed whole; :func:`moved_per_trace_block`). What the hits were worth (TTFT
+and GPU time with and without the tier, ``--bypass auto``) is estimated by :class:`_Worth`
+on :mod:`pykvtier.costmodel`.
+
+The block bytes are a 4 KiB random table XORed with a 64-bit word derived from the key and the
+page index, so every 4 KiB page differs by key and by page index and a block costs one memory
+pass to make and one to check.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import errno
 import hashlib
 import itertools
 import json
+import math
 import mmap
 import os
 import resource
@@ -49,6 +57,9 @@ __all__ = [
     "DEFAULT_TOKENS_PER_BLOCK",
     "DEFAULT_MAX_REQUESTS",
     "DEFAULT_CAPACITY",
+    "DEFAULT_SPEED",
+    "DEFAULT_STEP_MS",
+    "DEFAULT_KV_SAMPLE",
     "ReplayConfig",
     "ReplayConfigError",
     "ReplaySummary",
@@ -58,7 +69,10 @@ __all__ = [
     "format_bytes",
     "ReplayCounters",
     "ReplayDriver",
+    "DriverOptions",
+    "moved_per_trace_block",
     "run_replay",
+    "write_plot",
     "NODES_DEAL",
     "NodeResult",
     "NodesReplay",
@@ -71,9 +85,20 @@ __all__ = [
 # Defaults: about a minute on a 2-core VM with a ~1 GB/s virtual disk, with the capacity
 # well below the working set so the tier has to evict. See `pykvtier replay --help`.
 DEFAULT_MODEL = "qwen2.5-7b"
-DEFAULT_TOKENS_PER_BLOCK = 32  # 32 x 56 KiB = 1.75 MiB blocks, 16 per trace block
-DEFAULT_MAX_REQUESTS = 40
+DEFAULT_TOKENS_PER_BLOCK = 16  # vLLM's default block: 16 x 56 KiB = 896 KiB, 32 per trace block
+DEFAULT_MAX_REQUESTS = 800
 DEFAULT_CAPACITY = "8GiB"
+#: The command's default arrival-time speed (trace seconds per second); ReplayConfig's default
+#: (speed None) replays back to back.
+DEFAULT_SPEED = 6.0
+DEFAULT_STEP_MS = 10.0
+#: KV moved per 512-token trace block by default: its first engine blocks up to this size, at
+#: least one (every block of the `tiny` model; one of the real models' blocks).
+DEFAULT_KV_SAMPLE = "1MiB"
+DEFAULT_GPU = "h100"
+DEFAULT_MFU = 0.5
+BYPASS_MODES = ("off", "auto")
+TIER_KINDS = ("pykvtier", "vllm-fs")
 
 #: Arena size the auto rule aims for (slots for at least two requests when it fits).
 ARENA_SOFT_LIMIT_BYTES = 4 << 30
@@ -187,6 +212,22 @@ class ReplayConfig:
     recycle: bool = True  # stores at capacity take over the evicted files (DiskTier(recycle=))
     progress: bool = True
     arena_bytes: int | None = None  # None: auto (see _arena_slots)
+    #: None: back to back, each request's load waited for before the next (as fast as
+    #: possible); X: requests arrive at their trace timestamps compressed X times, a scheduler
+    #: step every ``step_ms`` (see ReplayDriver)
+    speed: float | None = None
+    step_ms: float = DEFAULT_STEP_MS
+    #: the trace time (ms) arrivals count from; None: the first request's timestamp
+    time_origin_ms: int | None = None
+    #: KV bytes moved per trace block: its first engine blocks up to this size (at least one);
+    #: the others are counted with them (hit or missed together). None: every engine block
+    kv_sample_bytes: int | None = parse_size(DEFAULT_KV_SAMPLE)
+    gpu: str = DEFAULT_GPU  # the prefill cost model's GPU (pykvtier.costmodel.GPU_PRESETS)
+    mfu: float = DEFAULT_MFU
+    bypass: str = "off"  # "auto": load only the prefix that loads faster than it recomputes
+    #: a modeled disk for the estimates: load times = full KV bytes / (disk_gbps x 1e9 B/s)
+    disk_gbps: float | None = None
+    tier: str = "pykvtier"  # or "vllm-fs": vLLM's own fs tier (pykvtier.replay_tiers)
 
 
 @dataclass
@@ -238,8 +279,45 @@ class ReplaySummary:
     errors: int
     failure_reasons: dict[str, int]
     error_samples: list[str]
-    wall_s: float
+    wall_s: float  # the whole replay: set-up + run + clean-up
     tier_stats: dict[str, Any] = field(default_factory=dict)
+    setup_s: float = 0.0  # reading the trace, the arena and its prefault, the tier's start
+    run_s: float = 0.0  # the replay itself, to the tier's drain
+    cleanup_s: float = 0.0  # the tier's shutdown, removing the temporary root
+    tier_kind: str = "pykvtier"
+    # the schedule: speed None is back to back (as fast as possible)
+    speed: float | None = None
+    step_ms: float | None = None
+    steps: int = 0
+    max_requests_per_step: int = 0
+    requests_deferred: int = 0
+    requests_deferred_retry: int = 0
+    schedule_wait_ms_p50: float | None = None  # arrival to lookup
+    schedule_wait_ms_p99: float | None = None
+    # the KV moved: the first moved_per_trace_block of each trace block's engine blocks
+    blocks_per_trace_block: int = 0
+    moved_per_trace_block: int = 0
+    # what the hits were worth (pykvtier.costmodel; see format_summary and --help)
+    gpu: str | None = None
+    mfu: float | None = None
+    load_time_source: str | None = None
+    disk_gbps: float | None = None
+    bypass: str = "off"
+    blocks_bypassed: int = 0
+    requests_bypassed: int = 0
+    prefill_gpu_s_no_tier: float | None = None  # every prompt computed in full
+    prefill_gpu_s_saved: float | None = None  # the prefill of the tokens loaded instead
+    load_s_of_hits: float | None = None  # the load time of those tokens (load_time_source)
+    requests_loaded: int = 0  # requests with a load
+    requests_load_faster: int = 0  # of those, loaded faster than their tokens compute
+    ttft_ms_no_tier_p50: float | None = None
+    ttft_ms_no_tier_p99: float | None = None
+    ttft_ms_tier_p50: float | None = None  # with the tier (and --bypass, where on)
+    ttft_ms_tier_p99: float | None = None
+    ttft_ms_no_bypass_p50: float | None = None  # --bypass auto with --disk-gbps: every hit loaded
+    ttft_ms_no_bypass_p99: float | None = None
+    break_even_gbps_block0: float | None = None  # an engine block at token 0
+    break_even_gbps_hits: float | None = None  # the KV of this replay's loaded tokens / their prefill
 
     @property
     def ok(self) -> bool:
@@ -291,11 +369,31 @@ class _Progress:
 
 
 @dataclass
+class _Req:
+    """One request as the driver replayed it (times: the driver's clock, seconds)."""
+
+    index: int
+    req: Request
+    keys: list[bytes]  # its engine blocks' keys, those the replay moves
+    arrival_t: float  # when it arrived (the driver's clock); its trace time is trace_s
+    trace_s: float  # its trace timestamp, seconds from the time origin
+    step: int = -1  # the scheduler step that looked it up (-1: back to back)
+    hits: int = 0  # blocks its lookups found, in order from the first
+    loads: int = 0  # of those, loaded (the others bypassed)
+    sched_t: float = math.nan  # when it was looked up
+    load_s: float | None = None  # its load job's submit to finish
+    deferred: int = 0  # steps it was put off (a RETRY, or no free slots)
+    retry_since: float | None = None  # first RETRY with nothing of the replay's in flight
+
+
+@dataclass
 class _Pending:
     is_load: bool
     keys: list[bytes]
     slots: list[int]
     submit_t: float
+    req: _Req | None = None
+    then: Callable[[], None] | None = None  # after it finished (a load: its request's store)
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -321,8 +419,9 @@ def _union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _arena_slots(max_blocks: int, block_size: int, arena_bytes: int | None) -> int:
-    """Slots of the host arena: at least the largest request; room for two when it fits."""
+def _arena_slots(max_blocks: int, block_size: int, arena_bytes: int | None, serving: bool = False) -> int:
+    """Slots of the host arena: at least the largest request; room for two when it fits (four
+    when requests arrive by time: several are in flight at once)."""
     need = max(1, max_blocks)
     if arena_bytes is not None:
         slots = arena_bytes // block_size
@@ -332,7 +431,7 @@ def _arena_slots(max_blocks: int, block_size: int, arena_bytes: int | None) -> i
                 f"{format_bytes(block_size)}, but the largest request needs {need}"
             )
         return slots
-    return max(need, min(2 * need, ARENA_SOFT_LIMIT_BYTES // block_size))
+    return max(need, min((4 if serving else 2) * need, ARENA_SOFT_LIMIT_BYTES // block_size))
 
 
 def _allocate_arena(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -439,10 +538,44 @@ class _SignalGuard:
                 signal.raise_signal(again)  # runs the restored handler now (or its default)
 
 
+_REMOVE_THREADS = 8
+
+
+def _remove_blocks_in_parallel(path: str) -> None:
+    """A first pass of :func:`_remove_tree`: the fan-out directories of each ``blocks/`` within
+    three levels under ``path``, by 8 threads (no link followed; errors left to the serial pass).
+    Unlinking large block files on ext4 waits for the journal: in parallel the waits overlap
+    (7,800 files of 896 KiB on this project's VM: 7.7 s one by one, 3.1 s by 8 threads)."""
+    dirs: list[str] = []
+
+    def subdirs(d: str) -> list[os.DirEntry]:
+        try:
+            with os.scandir(d) as it:
+                return [e for e in it if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+
+    def scan(d: str, depth: int) -> None:
+        for e in subdirs(d):
+            if e.name == "blocks":
+                dirs.extend(x.path for x in subdirs(e.path))
+            elif depth < 3:
+                scan(e.path, depth + 1)
+
+    scan(path, 0)
+    if len(dirs) < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(_REMOVE_THREADS, thread_name_prefix="pykvtier-rm") as pool:
+        list(pool.map(lambda d: shutil.rmtree(d, ignore_errors=True), dirs))
+
+
 def _remove_tree(path: str) -> bool:
     """Removes the directory tree at ``path`` (links are removed, never followed). True when
     nothing is left there (a path already gone counts); else says why on stderr, naming it."""
     failures: list[str] = []
+    _remove_blocks_in_parallel(path)
 
     def failed(func: Any, name: str, exc: Any) -> None:
         exc = exc[1] if isinstance(exc, tuple) else exc
@@ -502,6 +635,12 @@ class ReplayCounters:
     load_intervals: list[tuple[float, float]] = field(default_factory=list)  # (submit, finish) s
     store_intervals: list[tuple[float, float]] = field(default_factory=list)
     load_latencies: list[float] = field(default_factory=list)  # seconds per load job
+    blocks_bypassed: int = 0  # hit blocks not loaded: --bypass auto recomputes them (faster)
+    requests_bypassed: int = 0  # requests with blocks bypassed
+    requests_deferred: int = 0  # a request put off to the next step (a RETRY, or no free slots)
+    requests_deferred_retry: int = 0  # of those, for a RETRY
+    steps: int = 0  # scheduler steps run (arrival-time replay)
+    max_requests_per_step: int = 0
 
     def error(self, msg: str, count: int = 1) -> None:
         """``count`` errors, described by ``msg``."""
@@ -521,9 +660,172 @@ class ReplayCounters:
         return self.blocks_hit / self.blocks_requested if self.blocks_requested else 0.0
 
 
+class _Worth:
+    """What a replay's hits were worth, by the prefill cost model (:mod:`pykvtier.costmodel`).
+
+    A request of ``L`` prompt tokens whose first ``h`` tokens were loaded (``h`` = blocks
+    loaded x the tokens one moved block stands for, at most ``L``):
+
+    - without the tier: TTFT = P(L), the prefill of the whole prompt;
+    - with it: TTFT = T_load + (P(L) - P(h)): its load job first, then the prefill of the
+      rest (load, then compute: what vLLM does; no overlap of the two is assumed);
+    - GPU time saved: P(h). ``P`` is ``PrefillModel.prefix_seconds`` (the rest:
+      ``block_seconds(h, L - h)``, attention over the loaded prefix included).
+
+    ``T_load`` is the request's load job, submit to finish, as measured (``scale`` 1), times
+    ``scale`` when the replay moved 1 in ``scale`` of the KV; with ``disk_gbps``, the full
+    KV bytes of the loaded blocks / (disk_gbps x 1e9 B/s) instead. The GPU is taken to be free
+    for each request (no batching, no queue): TTFT counts from the step that looked it up.
+
+    ``--bypass auto`` (``bypass``): a request loads its hits' first ``k`` =
+    ``loadable_prefix(hits, unit_bytes, queued, bandwidth, recompute)`` blocks, ``recompute``
+    each block's ``block_seconds``. On the measured disk ``bandwidth`` is ``estimate`` (default
+    a :class:`costmodel.BandwidthEstimate` fed by the replay's finished loads: their bytes over
+    the time the disk was busy with them; none yet: every hit is loaded), ``queued`` the full
+    bytes of the loads in flight; on the modeled one ``disk_gbps``, and no queue (each load is
+    served on its own, as its modeled time counts it).
+    """
+
+    def __init__(self, costmodel: Any, prefill: Any, tokens_per_block: int, unit_tokens: int,
+                 unit_bytes: int, scale: int, bypass: bool, disk_gbps: float | None,
+                 estimate: Any = None) -> None:
+        self.costmodel = costmodel
+        self.prefill = prefill
+        self.tokens_per_block = tokens_per_block
+        self.unit_tokens = unit_tokens  # prompt tokens one moved block stands for
+        self.unit_bytes = unit_bytes  # and their KV bytes
+        self.scale = scale  # full KV bytes / bytes moved
+        self.bypass = bypass
+        self.disk_bps = None if disk_gbps is None else disk_gbps * 1e9
+        self.estimate = estimate if estimate is not None else costmodel.BandwidthEstimate()
+
+    def source(self) -> str:
+        if self.disk_bps is not None:
+            return f"modeled: full KV bytes / {self.disk_bps / 1e9:g} GB/s"
+        if self.scale > 1:
+            return f"measured x {self.scale} (the replay moved 1/{self.scale} of the KV)"
+        return "measured"
+
+    def bandwidth(self) -> float | None:
+        return self.disk_bps if self.disk_bps is not None else self.estimate.bytes_per_s
+
+    def loads_finished(self, nbytes: int, seconds: float, now: float) -> None:
+        if self.disk_bps is None:
+            self.estimate.update(nbytes, seconds, now=now)
+
+    def recompute_seconds(self, input_length: int, blocks: int) -> list[float]:
+        ut = self.unit_tokens
+        return [self.prefill.block_seconds(i * ut, max(0, min(ut, input_length - i * ut)))
+                for i in range(blocks)]
+
+    def loadable(self, rq: _Req, hits: int, moved_bytes_in_flight: int) -> int:
+        bw = self.bandwidth()
+        if not bw:
+            return hits  # no estimate yet: load, and measure
+        # the modeled disk serves each request's load on its own (as its TTFT counts it)
+        queued = 0 if self.disk_bps is not None else moved_bytes_in_flight * self.scale
+        k = self.costmodel.loadable_prefix(hits, self.unit_bytes, queued, bw,
+                                           self.recompute_seconds(rq.req.input_length, hits))
+        return max(0, min(hits, int(k)))
+
+    def load_seconds(self, rq: _Req, blocks: int) -> float | None:
+        if not blocks:
+            return 0.0
+        if self.disk_bps is not None:
+            return blocks * self.unit_bytes / self.disk_bps
+        return None if rq.load_s is None else rq.load_s * self.scale
+
+    def ttft(self, rq: _Req, blocks: int) -> tuple[float, float, float, float] | None:
+        """(TTFT without the tier, with ``blocks`` loaded, P(h), T_load) in seconds; None
+        without a load time."""
+        L = rq.req.input_length
+        h = min(blocks * self.unit_tokens, L)
+        t_load = self.load_seconds(rq, blocks)
+        if t_load is None:
+            return None
+        p_all = self.prefill.prefix_seconds(L)
+        rest = self.prefill.block_seconds(h, L - h) if L > h else 0.0
+        return p_all, t_load + rest, p_all - rest, t_load
+
+    def figures(self, records: Sequence[_Req]) -> dict[str, Any]:
+        """The summary's fields (ReplaySummary names) and the per-request series for a plot."""
+        none: list[float] = []
+        tier: list[float] = []
+        no_bypass: list[float] = []
+        saved = none_total = load_total = 0.0
+        loaded = faster = 0
+        loaded_bytes = 0
+        series = []
+        for rq in records:
+            if math.isnan(rq.sched_t):
+                continue  # never looked up
+            t = self.ttft(rq, rq.loads)
+            if t is None:
+                continue  # its load did not finish
+            p_all, with_tier, p_h, t_load = t
+            none.append(p_all)
+            tier.append(with_tier)
+            none_total += p_all
+            saved += p_h
+            row = {"trace_s": rq.trace_s, "ttft_no_tier_s": p_all, "ttft_tier_s": with_tier}
+            if rq.loads:
+                loaded += 1
+                load_total += t_load
+                faster += t_load < p_h
+                loaded_bytes += rq.loads * self.unit_bytes
+            if self.bypass and self.disk_bps is not None:
+                nb = self.ttft(rq, rq.hits)
+                no_bypass.append(nb[1])
+                row["ttft_no_bypass_s"] = nb[1]
+            series.append(row)
+
+        def ms(values: list[float], q: float) -> float | None:
+            return None if not values else _percentile(sorted(values), q) * 1e3
+
+        return {
+            "load_time_source": self.source(),
+            "prefill_gpu_s_no_tier": none_total,
+            "prefill_gpu_s_saved": saved,
+            "load_s_of_hits": load_total,
+            "requests_loaded": loaded,
+            "requests_load_faster": faster,
+            "ttft_ms_no_tier_p50": ms(none, 50), "ttft_ms_no_tier_p99": ms(none, 99),
+            "ttft_ms_tier_p50": ms(tier, 50), "ttft_ms_tier_p99": ms(tier, 99),
+            "ttft_ms_no_bypass_p50": ms(no_bypass, 50), "ttft_ms_no_bypass_p99": ms(no_bypass, 99),
+            "break_even_gbps_block0": self.prefill.break_even_bytes_per_s(0, self.tokens_per_block) / 1e9,
+            "break_even_gbps_hits": loaded_bytes / saved / 1e9 if saved > 0 else None,
+        }, series
+
+
+@dataclass
+class DriverOptions:
+    """How a :class:`ReplayDriver` schedules (see :class:`ReplayConfig`) and what it estimates.
+
+    ``clock`` and ``sleep`` are its time source (the schedule, load times, TTFT): tests give a
+    fake clock whose ``sleep`` advances it; the wall time and the stall watchdog stay real."""
+
+    speed: float | None = None  # None: back to back
+    step_ms: float = DEFAULT_STEP_MS
+    time_origin_ms: int | None = None
+    moved_per_trace_block: int | None = None  # None: every engine block of a trace block
+    worth: Any = None  # a _Worth: prefill model, bandwidth estimate, --bypass auto
+    clock: Callable[[], float] = time.perf_counter
+    sleep: Callable[[float], None] = time.sleep
+
+
 class ReplayDriver:
-    """One replay against an open tier, request by request, as an engine drives a secondary
-    tier (the module docstring's phases); stores run in the background.
+    """One replay against an open tier, as an engine drives a secondary tier (the module
+    docstring's phases); stores run in the background.
+
+    Back to back (``options.speed`` None): request by request, each one's lookups, its load job
+    waited for, then its store job. By arrival time: request i arrives at ``(timestamp_i -
+    origin) / speed`` seconds into the run; a scheduler step runs every ``step_ms`` (on the
+    first boundary after the previous one ended: a late step batches more) and takes the
+    requests that arrived, first come first served: each one's lookups, then its one load job
+    submitted at once, its store job once that load finished (at once when nothing hit). A
+    request whose lookups meet a RETRY before the first MISS (a block being written, a shared
+    tier's probe) is asked again at the next step, as vLLM's scheduler does; one that finds no
+    free arena slots waits with those after it. ``tier.on_step_end()`` ends each step.
 
     ``tier``: a DiskTier (or what a ``tier_factory`` makes) whose arena is ``arena``, a uint8
     array of whole blocks of ``block_size`` bytes, each a slot. ``guard`` delivers the signals
@@ -532,7 +834,7 @@ class ReplayDriver:
     """
 
     def __init__(self, tier: Any, arena: np.ndarray, block_size: int, tokens_per_block: int,
-                 guard: _SignalGuard, progress: _Progress) -> None:
+                 guard: _SignalGuard, progress: _Progress, options: DriverOptions | None = None) -> None:
         from .tier import LookupResult, TransferJob
 
         self._lookup_result, self._job = LookupResult, TransferJob
@@ -540,8 +842,20 @@ class ReplayDriver:
         self.block_size = block_size
         self.tokens_per_block = tokens_per_block
         self.subblocks = TRACE_BLOCK_TOKENS // tokens_per_block  # engine blocks per trace block
+        self.options = options = options or DriverOptions()
+        moved = options.moved_per_trace_block or self.subblocks
+        if moved < 1 or self.subblocks % moved:
+            raise ValueError(f"moved_per_trace_block {moved} does not divide {self.subblocks}")
+        self.moved = moved  # engine blocks moved per trace block: its first `moved`
+        self.unit_tokens = TRACE_BLOCK_TOKENS // moved  # prompt tokens one moved block stands for
+        self._now = options.clock
         self.pattern = BlockPattern(block_size)
         self.counters = ReplayCounters()
+        self.records: list[_Req] = []
+        #: (driver clock, load bytes in flight, store bytes in flight), once per step (back to
+        #: back: per request)
+        self.queue_samples: list[tuple[float, int, int]] = []
+        self.t0 = math.nan  # the driver clock at the start of the run
         self.progress = progress
         self._guard = guard
         self._arena64 = arena.view(np.uint64)
@@ -549,20 +863,29 @@ class ReplayDriver:
         # LIFO: reuse the slots freed last (warm in cache and already faulted in)
         self._free_slots = list(range(arena.nbytes // block_size - 1, -1, -1))
         self._pending: dict[int, _Pending] = {}
+        self._inflight_bytes = [0, 0]  # stores, loads
+        self._last_load_done = -math.inf
         self._job_ids = itertools.count(1)
         self._last_finish = time.monotonic()  # when a job last finished (stall detection)
+        self._waiting = 0  # requests arrived and not yet looked up (arrival-time replay)
+        self._origin: int | None = None  # the time origin (ms of trace time)
 
     def run(self, requests: Sequence[Request]) -> tuple[float, float]:
-        """Replays ``requests`` in order, then waits for every job and drains the tier.
-        Returns (wall seconds, CPU seconds of the process)."""
+        """Replays ``requests`` (in order, or by arrival time), then waits for every job and
+        drains the tier. Returns (wall seconds, CPU seconds of the process)."""
         cpu0 = _rusage_cpu()
         t_start = time.perf_counter()
+        self.t0 = self._now()
+        self._origin = self._origin_ms(requests)
         try:
-            for req in requests:
-                self._guard.check()
-                self.replay_request(req)
-                self.progress.show(self.bar_text())
-                self.progress.advance()
+            if self.options.speed is None:
+                for req in requests:
+                    self._guard.check()
+                    self.replay_request(req)
+                    self.progress.show(self.bar_text())
+                    self.progress.advance()
+            else:
+                self.serve(requests)
             while self._pending:
                 self.wait_some(1.0)
             self.tier.drain()
@@ -571,24 +894,184 @@ class ReplayDriver:
             self.progress.close()
         return time.perf_counter() - t_start, _rusage_cpu() - cpu0
 
-    def replay_request(self, req: Request) -> None:
-        """Phase 1 (longest held prefix), phase 2 (load it, check it), then store the rest."""
+    # ---------------------------------------------------------------- requests
+
+    def _origin_ms(self, requests: Sequence[Request]) -> int:
+        o = self.options.time_origin_ms
+        return o if o is not None else (requests[0].timestamp_ms if requests else 0)
+
+    def arrive(self, req: Request, arrival_t: float, trace_s: float) -> _Req:
+        """The request's record: its keys (those the replay moves) and counts."""
         c = self.counters
         t0 = time.thread_time()
-        keys = [block_key(h, s, self.block_size) for h in req.hash_ids for s in range(self.subblocks)]
+        keys = [block_key(h, s, self.block_size) for h in req.hash_ids for s in range(self.moved)]
         c.harness_cpu_s += time.thread_time() - t0
         c.blocks_requested += len(keys)
         c.prompt_tokens += req.input_length
+        rq = _Req(len(self.records), req, keys, arrival_t, trace_s)
+        self.records.append(rq)
+        return rq
+
+    def replay_request(self, req: Request) -> None:
+        """Back to back: phase 1 (longest held prefix), phase 2 (load it, check it), then store
+        the rest."""
+        c = self.counters
+        if self._origin is None:
+            self._origin = self._origin_ms([req])
+        rq = self.arrive(req, self._now(), (req.timestamp_ms - self._origin) / 1000)
+        keys = rq.keys
         hits = self.longest_prefix(keys)
-        c.hit_tokens += min(hits * self.tokens_per_block, req.input_length)
+        rq.hits = hits
+        c.hit_tokens += min(hits * self.unit_tokens, req.input_length)
         slots = self.take_slots(len(keys))
-        if hits:
-            self.load(keys[:hits], slots[:hits])
+        rq.sched_t = self._now()
+        k = rq.loads = self._loadable(rq, hits)
+        if k:
+            self.load(keys[:k], slots[:k], rq)
         else:
             self.poll()
+        self._free_slots.extend(slots[k:hits])  # bypassed: recomputed, not loaded nor stored
         if hits < len(keys):
             self.store(keys[hits:], slots[hits:])
         self.poll()
+        self._sample_queue()
+
+    def serve(self, requests: Sequence[Request]) -> None:
+        """By arrival time (see the class docstring): returns once every request was looked up
+        and its jobs submitted."""
+        o = self.options
+        step_s = o.step_ms / 1000.0
+        origin = self._origin = self._origin_ms(requests)
+        trace_s = [(r.timestamp_ms - origin) / 1000 for r in requests]
+        arrivals = [max(0.0, t / o.speed) for t in trace_s]  # seconds into the run
+        waiting: list[_Req] = []
+        nxt, step, n = 0, 0, len(requests)
+        while nxt < n or waiting:
+            self._guard.check()
+            now = self._now()
+            due = self.t0 + step * step_s
+            if now < due:
+                self._idle(due - now)
+                continue
+            rel = now - self.t0
+            while nxt < n and arrivals[nxt] <= rel:
+                waiting.append(self.arrive(requests[nxt], self.t0 + arrivals[nxt], trace_s[nxt]))
+                nxt += 1
+            self._waiting = len(waiting)
+            self.step(waiting, step, now)
+            self._waiting = len(waiting)
+            self.tier.on_step_end()
+            self.poll()
+            self._sample_queue(now)
+            self.counters.steps += 1
+            step = max(step + 1, math.floor(rel / step_s) + 1)
+            if not waiting and nxt < n:  # nothing to do until the next arrival
+                step = max(step, math.ceil(arrivals[nxt] / step_s - 1e-9))
+
+    def step(self, waiting: list[_Req], step: int, now: float) -> None:
+        """One scheduler step over the requests that arrived (first come, first served)."""
+        c = self.counters
+        scheduled = i = 0
+        while i < len(waiting):
+            rq = waiting[i]
+            if len(self._free_slots) < len(rq.keys):
+                # no room in the arena (the engine's memory) for it: it and those after it wait
+                for r in waiting[i:]:
+                    r.deferred += 1
+                c.requests_deferred += len(waiting) - i
+                break
+            hits = self._prefix_or_retry(rq, now)
+            if hits is None:  # a RETRY before the first MISS: asked again at the next step
+                rq.deferred += 1
+                c.requests_deferred += 1
+                c.requests_deferred_retry += 1
+                i += 1
+                continue
+            del waiting[i]
+            rq.step, rq.sched_t, rq.hits = step, now, hits
+            self._schedule(rq, hits)
+            scheduled += 1
+        c.max_requests_per_step = max(c.max_requests_per_step, scheduled)
+
+    def _prefix_or_retry(self, rq: _Req, now: float) -> int | None:
+        """The request's lookups in order up to the first MISS: the hits before it, or None
+        at a RETRY (nothing counted but the RETRY). A RETRY that outlasts
+        _LOOKUP_RETRY_DEADLINE_S with nothing of the replay's in flight is an error, a MISS."""
+        c = self.counters
+        R = self._lookup_result
+        hits = pending = looked = 0
+        for key in rq.keys:
+            res = self.tier.lookup(key)
+            if res == R.RETRY:
+                c.lookup_retries += 1
+                if self._pending:  # a store of ours may be what it waits for
+                    rq.retry_since = None
+                    return None
+                if rq.retry_since is None:
+                    rq.retry_since = now
+                    return None
+                if now - rq.retry_since <= _LOOKUP_RETRY_DEADLINE_S:
+                    return None
+                c.error(f"lookup of {key.hex()} still RETRY after {_LOOKUP_RETRY_DEADLINE_S:.0f} s "
+                        "with nothing in flight; treated as MISS")
+                res = R.MISS
+            looked += 1
+            if res == R.HIT:
+                hits += 1
+            elif res == R.HIT_PENDING:
+                hits += 1
+                pending += 1
+            else:
+                break
+        c.blocks_looked_up += looked
+        c.blocks_hit += hits
+        c.blocks_hit_pending += pending
+        return hits
+
+    def _schedule(self, rq: _Req, hits: int) -> None:
+        """A looked-up request: its load job now, its store job once the load finished."""
+        c = self.counters
+        keys = rq.keys
+        c.hit_tokens += min(hits * self.unit_tokens, rq.req.input_length)
+        slots = self.take_slots(len(keys))
+        k = rq.loads = self._loadable(rq, hits)
+        self._free_slots.extend(slots[k:hits])  # bypassed: recomputed, not loaded nor stored
+
+        def store() -> None:
+            self.store(keys[hits:], slots[hits:])
+
+        then = store if hits < len(keys) else None
+        if k:
+            self._submit(True, keys[:k], slots[:k], rq, then)
+        elif then is not None:
+            then()
+        self.progress.show(self.bar_text())
+        self.progress.advance()
+
+    def _loadable(self, rq: _Req, hits: int) -> int:
+        """Of ``hits`` blocks found, how many to load: all, or with --bypass auto the prefix
+        that loads no slower than it recomputes (bytes in flight counted)."""
+        w = self.options.worth
+        if not hits or w is None or not w.bypass:
+            return hits
+        k = w.loadable(rq, hits, self._inflight_bytes[1])
+        if k < hits:
+            self.counters.blocks_bypassed += hits - k
+            self.counters.requests_bypassed += 1
+        return k
+
+    def _idle(self, seconds: float) -> None:
+        """Until the next step: waits for jobs (handled as they finish), or sleeps."""
+        if self._pending:
+            self.wait_some(min(seconds, 1.0))
+        else:
+            self.options.sleep(seconds)
+
+    def _sample_queue(self, now: float | None = None) -> None:
+        self.queue_samples.append((self._now() if now is None else now, self._inflight_bytes[1],
+                                   self._inflight_bytes[0]))
+
+    # ---------------------------------------------------------------- back to back
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         """Looks ``keys`` up in order up to the first MISS; the number of hits before it."""
@@ -608,9 +1091,9 @@ class ReplayDriver:
         c.blocks_hit += hits
         return hits
 
-    def load(self, keys: list[bytes], slots: list[int]) -> None:
+    def load(self, keys: list[bytes], slots: list[int], req: _Req | None = None) -> None:
         """One load job for ``keys`` into ``slots``; returns once it finished (and was checked)."""
-        jid = self._submit(True, keys, slots)
+        jid = self._submit(True, keys, slots, req)
         while jid in self._pending:
             self.wait_some(1.0)
 
@@ -622,9 +1105,10 @@ class ReplayDriver:
         self.counters.harness_cpu_s += time.thread_time() - t0
         self._submit(False, keys, slots)
 
-    def _submit(self, is_load: bool, keys: list[bytes], slots: list[int]) -> int:
+    def _submit(self, is_load: bool, keys: list[bytes], slots: list[int], req: _Req | None = None,
+                then: Callable[[], None] | None = None) -> int:
         jid = next(self._job_ids)
-        self._pending[jid] = _Pending(is_load, keys, slots, time.perf_counter())
+        self._pending[jid] = _Pending(is_load, keys, slots, self._now(), req, then)
         job = self._job(jid, keys, slots)
         if is_load:
             self.tier.submit_load(job)
@@ -632,6 +1116,7 @@ class ReplayDriver:
         else:
             self.tier.submit_store(job)
             self.counters.store_jobs += 1
+        self._inflight_bytes[is_load] += len(keys) * self.block_size
         return jid
 
     def slot_view(self, slot: int) -> np.ndarray:
@@ -690,8 +1175,10 @@ class ReplayDriver:
             )
 
     def handle(self, results: Iterable[Any]) -> None:
-        """Counts finished jobs (JobResults), checks loaded bytes, frees their slots."""
-        now = time.perf_counter()
+        """Counts finished jobs (JobResults), checks loaded bytes, frees their slots; a load's
+        request then submits its store."""
+        now = self._now()
+        loads: list[_Pending] = []
         for r in results:
             self._last_finish = time.monotonic()
             p = self._pending.pop(r.job_id, None)
@@ -701,6 +1188,7 @@ class ReplayDriver:
             if bool(r.is_load) != p.is_load:
                 self.counters.error(f"job {r.job_id}: reported is_load={r.is_load}, "
                                     f"submitted as {'load' if p.is_load else 'store'}")
+            self._inflight_bytes[p.is_load] -= len(p.keys) * self.block_size
             if r.successful_keys is None:
                 ok_keys = set(p.keys) if r.success else set()
             else:
@@ -708,10 +1196,27 @@ class ReplayDriver:
             self._count_failures(r, p, ok_keys)
             if p.is_load:
                 self._check_loaded(r, p, ok_keys, now)
+                loads.append(p)
             else:
                 self._count_stored(r, p, ok_keys, now)
             self._free_slots.extend(p.slots)
+            if p.then is not None:
+                p.then()
+        if loads:
+            self._loads_finished(loads, now)
         self.progress.show(self.bar_text())
+
+    def _loads_finished(self, loads: list[_Pending], now: float) -> None:
+        """The bandwidth estimate learns the loads that finished: their bytes over the time the
+        disk was busy with them (since the last load finished, or since they were submitted)."""
+        for p in loads:
+            if p.req is not None:
+                p.req.load_s = now - p.submit_t
+        w = self.options.worth
+        start = max(min(p.submit_t for p in loads), self._last_load_done)
+        self._last_load_done = now
+        if w is not None and now > start:
+            w.loads_finished(sum(len(p.keys) for p in loads) * self.block_size, now - start, now)
 
     def _count_failures(self, r: Any, p: _Pending, ok_keys: set[bytes]) -> None:
         """Keys of job ``r`` not in ``ok_keys``: a store the tier declined under capacity
@@ -767,7 +1272,8 @@ class ReplayDriver:
         storing = sum(1 for p in self._pending.values() if not p.is_load)
         return (f"hit {c.block_hit_ratio:.2%}, loaded {format_bytes(c.bytes_loaded)}, "
                 f"stored {format_bytes(c.bytes_stored)}"
-                + (f" (+{storing} store job{'s' if storing != 1 else ''} in flight)" if storing else ""))
+                + (f" (+{storing} store job{'s' if storing != 1 else ''} in flight)" if storing else "")
+                + (f", {self._waiting} waiting" if self._waiting else ""))
 
 
 def _requests_of(config: ReplayConfig, requests: Sequence[Request] | None) -> tuple[list[Request], str]:
@@ -818,7 +1324,11 @@ def _summarize(driver: ReplayDriver, config: ReplayConfig, model: str, trace_nam
     lat = sorted(c.load_latencies)
     counted = ({f.name for f in fields(ReplaySummary)} & {f.name for f in fields(ReplayCounters)}
                - {"errors", "failure_reasons", "error_samples"})
-    return ReplaySummary(
+    waits = sorted(r.sched_t - r.arrival_t for r in driver.records
+                   if not math.isnan(r.sched_t)) if driver.options.speed is not None else []
+    worth = driver.options.worth
+    figures, series = worth.figures(driver.records) if worth is not None else ({}, [])
+    summary = ReplaySummary(
         **{name: getattr(c, name) for name in counted},
         trace=trace_name, model=model, tokens_per_block=driver.tokens_per_block,
         block_size_bytes=driver.block_size, engine=engine_name, root=root, root_removed=False,
@@ -843,8 +1353,45 @@ def _summarize(driver: ReplayDriver, config: ReplayConfig, model: str, trace_nam
         failure_reasons=dict(sorted(c.failure_reasons.items(), key=lambda kv: -kv[1])),
         error_samples=c.error_samples,
         wall_s=wall,
+        run_s=wall,
         tier_stats={k: jsonable(v) for k, v in stats.items()},
+        tier_kind=config.tier,
+        speed=driver.options.speed,
+        step_ms=None if driver.options.speed is None else driver.options.step_ms,
+        schedule_wait_ms_p50=None if not waits else _percentile(waits, 50) * 1e3,
+        schedule_wait_ms_p99=None if not waits else _percentile(waits, 99) * 1e3,
+        blocks_per_trace_block=driver.subblocks,
+        moved_per_trace_block=driver.moved,
+        gpu=None if worth is None else config.gpu,
+        mfu=None if worth is None else config.mfu,
+        disk_gbps=config.disk_gbps,
+        bypass=config.bypass,
+        **figures,
     )
+    summary.timeline = _timeline(driver, series)
+    return summary
+
+
+def _timeline(driver: ReplayDriver, series: list[dict[str, Any]]) -> dict[str, Any]:
+    """What --plot draws, against trace time (s from the time origin): per request its hit
+    ratio, measured load time and TTFTs; per step (back to back: per request) the bytes of the
+    loads and of the stores in flight. Not part of the summary's fields (nor its JSON)."""
+    speed = driver.options.speed
+    reqs = [r for r in driver.records if not math.isnan(r.sched_t)]
+    if speed is None:  # back to back: a sample after each request, at its trace time
+        qx = [r.trace_s for r in reqs][: len(driver.queue_samples)]
+    else:
+        qx = [(t - driver.t0) * speed for t, _, _ in driver.queue_samples]
+    return {
+        "speed": speed,
+        "trace_s": [r.trace_s for r in reqs],
+        "hit_ratio": [r.hits / len(r.keys) if r.keys else 0.0 for r in reqs],
+        "hits": [r.hits for r in reqs],
+        "blocks": [len(r.keys) for r in reqs],
+        "load_ms": [(r.trace_s, r.load_s * 1e3) for r in reqs if r.load_s is not None],
+        "queue": [(x, lb, sb) for x, (_, lb, sb) in zip(qx, driver.queue_samples)],
+        "ttft": series,
+    }
 
 
 class _Opened:
@@ -900,12 +1447,22 @@ def run_replay(
     *,
     tier_factory: Callable[[str, int, int | None, str], Any] | None = None,
     driver_factory: Callable[..., ReplayDriver] | None = None,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] | None = None,
+    prefill: Any = None,
+    bandwidth: Any = None,
 ) -> ReplaySummary:
     """Replay ``requests`` (default: ``load_trace(config.trace, config.max_requests)``).
 
     ``tier_factory(root, block_size_bytes, capacity_bytes, engine)`` makes the tier
-    (default: :class:`pykvtier.DiskTier`); ``driver_factory`` takes ReplayDriver's arguments
-    and makes the driver (default: ReplayDriver; ``--nodes`` records keys through a subclass).
+    (default: :class:`pykvtier.DiskTier`, or with ``config.tier`` "vllm-fs" vLLM's fs tier);
+    ``driver_factory`` takes ReplayDriver's arguments and makes the driver (default:
+    ReplayDriver; ``--nodes`` records keys through a subclass). ``clock`` and ``sleep`` are the
+    driver's time source (default ``time.perf_counter``, ``time.sleep``; see DriverOptions);
+    ``prefill`` replaces the cost model's ``PrefillModel(model, gpu, mfu)`` (its
+    ``block_seconds``, ``prefix_seconds``, ``break_even_bytes_per_s``); ``bandwidth`` the
+    measured disk's bandwidth estimate for ``--bypass auto`` (e.g. a
+    ``costmodel.FixedBandwidth``; default a fresh ``BandwidthEstimate``).
 
     Without ``config.root`` the blocks go to a temporary directory, removed when the replay
     ends, however it ends: an error, or SIGINT/SIGTERM at any point (called from the main
@@ -914,14 +1471,22 @@ def run_replay(
     clean-up (tier shutdown: in-flight I/O finishes; arena; removal) is not interrupted by
     further signals; one arriving during it is delivered after it.
     """
+    t_begin = time.perf_counter()
     preset = _models.get_preset(config.model)
     tpb = _models.validate_tokens_per_block(config.tokens_per_block)
     bs = preset.block_size_bytes(tpb)
+    _check_schedule(config)
+    subblocks = TRACE_BLOCK_TOKENS // tpb
+    moved = moved_per_trace_block(bs, subblocks, config.kv_sample_bytes)
+    worth = _make_worth(config, preset, tpb, bs, subblocks, moved, prefill, bandwidth)
     requests, trace_name = _requests_of(config, requests)
-    max_blocks = max((len(r.hash_ids) * (TRACE_BLOCK_TOKENS // tpb) for r in requests), default=1)
-    nslots = _arena_slots(max_blocks, bs, config.arena_bytes)
+    max_blocks = max((len(r.hash_ids) * moved for r in requests), default=1)
+    nslots = _arena_slots(max_blocks, bs, config.arena_bytes, config.speed is not None)
     root = _open_given_root(config.root) if config.root is not None else None
-    factory = tier_factory or (lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle))
+    factory = tier_factory or _tier_factory(config)
+    options = DriverOptions(speed=config.speed, step_ms=config.step_ms,
+                            time_origin_ms=config.time_origin_ms, moved_per_trace_block=moved,
+                            worth=worth, clock=clock or time.perf_counter, sleep=sleep or time.sleep)
     opened = _Opened()
     driver = arena = None
     guard = _SignalGuard()
@@ -944,17 +1509,77 @@ def run_replay(
             raise ReplayConfigError(f"cannot open the tier at {root}: {exc}") from exc
         opened.tier.set_arena(arena)
         driver = (driver_factory or ReplayDriver)(opened.tier, arena, bs, tpb, guard,
-                                                  _Progress(len(requests), config.progress))
+                                                  _Progress(len(requests), config.progress), options)
+        setup = time.perf_counter() - t_begin
         wall, cpu = driver.run(requests)
         summary = _summarize(driver, config, preset.name, trace_name, root, nslots * bs, len(requests),
                              wall, cpu)
+        t_cleanup = time.perf_counter()
     finally:
         guard.hold = True  # first (a plain store: no signal handler runs before it)
         unwinding = sys.exc_info()[1] is not None
         driver = arena = None  # noqa: F841 - drop our views so the mapping can close
         root_removed = opened.close(guard, unwinding)
     summary.root_removed = root_removed
+    summary.setup_s = setup
+    summary.cleanup_s = time.perf_counter() - t_cleanup
+    summary.wall_s = time.perf_counter() - t_begin
     return summary
+
+
+def moved_per_trace_block(block_size: int, subblocks: int, kv_sample_bytes: int | None) -> int:
+    """Engine blocks the replay moves of each trace block's ``subblocks``: every one
+    (``kv_sample_bytes`` None), else its first ``n``, the largest divisor of ``subblocks`` whose
+    blocks fit ``kv_sample_bytes`` (at least one)."""
+    if kv_sample_bytes is None:
+        return subblocks
+    if kv_sample_bytes <= 0:
+        raise ReplayConfigError(f"the KV sample must be positive, got {kv_sample_bytes} B")
+    fit = max(1, kv_sample_bytes // block_size)
+    return max(d for d in range(1, subblocks + 1) if subblocks % d == 0 and d <= fit)
+
+
+def _check_schedule(config: ReplayConfig) -> None:
+    if config.speed is not None and not (config.speed > 0 and math.isfinite(config.speed)):
+        raise ReplayConfigError(f"the speed must be a positive number, got {config.speed}")
+    if not (config.step_ms > 0 and math.isfinite(config.step_ms)):
+        raise ReplayConfigError(f"the scheduler step must be a positive number of ms, got {config.step_ms}")
+    if config.bypass not in BYPASS_MODES:
+        raise ReplayConfigError(f"bypass must be one of {', '.join(BYPASS_MODES)}, got {config.bypass!r}")
+    if config.disk_gbps is not None and not (config.disk_gbps > 0 and math.isfinite(config.disk_gbps)):
+        raise ReplayConfigError(f"the modeled disk's GB/s must be positive, got {config.disk_gbps}")
+    if not (0 < config.mfu <= 1):
+        raise ReplayConfigError(f"the MFU must be in (0, 1], got {config.mfu}")
+    if config.tier not in TIER_KINDS:
+        raise ReplayConfigError(f"tier must be one of {', '.join(TIER_KINDS)}, got {config.tier!r}")
+
+
+def _make_worth(config: ReplayConfig, preset: _models.ModelPreset, tpb: int, bs: int, subblocks: int,
+                moved: int, prefill: Any = None, bandwidth: Any = None) -> _Worth:
+    """The replay's cost model (:class:`_Worth`) for ``config``."""
+    from . import costmodel
+
+    if prefill is None:
+        try:
+            gpu = costmodel.get_gpu(config.gpu)
+        except (KeyError, ValueError) as exc:
+            raise ReplayConfigError(str(exc.args[0] if exc.args else exc)) from None
+        prefill = costmodel.PrefillModel(preset, gpu, mfu=config.mfu)
+    scale = subblocks // moved
+    return _Worth(costmodel, prefill, tpb, TRACE_BLOCK_TOKENS // moved, bs * scale, scale,
+                  config.bypass == "auto", config.disk_gbps, bandwidth)
+
+
+def _tier_factory(config: ReplayConfig) -> Callable[[str, int, int | None, str], Any]:
+    """The tier ``config.tier`` names: pykvtier's DiskTier, or vLLM's own fs tier."""
+    if config.tier == "vllm-fs":
+        from . import replay_tiers
+
+        try:
+            return replay_tiers.vllm_fs_tier_factory(config)
+        except replay_tiers.TierUnavailableError as exc:
+            raise ReplayConfigError(str(exc)) from None
+    return lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle)
 
 
 # --------------------------------------------------------------------------------------
@@ -1354,6 +1979,8 @@ def run_nodes(config: ReplayConfig, roots: Sequence[str], requests: Sequence[Req
     _models.get_preset(config.model)
     _models.validate_tokens_per_block(config.tokens_per_block)
     requests, trace_name = _requests_of(config, requests)
+    if config.time_origin_ms is None and requests:  # arrivals by time: one clock for every node
+        config = ReplayConfig(**{**asdict(config), "time_origin_ms": requests[0].timestamp_ms})
     shares = _deal(requests, len(roots))
     guard = _SignalGuard()
     base: str | None = None
@@ -1535,6 +2162,7 @@ def format_summary(s: ReplaySummary) -> str:
         f" ({_plural(written, 'whole block')} written), {s.store_busy_s:.2f} s busy"
         f" -> {s.store_gbps:.2f} GB/s; {_plural(s.store_rejected_keys, 'block')} declined by the tier"
         " (capacity)",
+        *_schedule_lines(s),
         f"  CPU         {s.cpu_s:.2f} s, {per_gib} (tier alone {tier_per_gib};"
         f" replay's fill+verify {s.harness_cpu_s:.2f} s)",
         f"  evictions   {s.evictions}"
@@ -1542,7 +2170,9 @@ def format_summary(s: ReplaySummary) -> str:
         f"  verification failures {s.verification_failures}, errors {s.errors}"
         f" (load failures {s.load_failed_keys}, store failures {s.store_failed_keys},"
         f" tier checksum failures {s.tier_verify_failures})",
-        f"  wall        {s.wall_s:.2f} s",
+        *_worth_lines(s),
+        f"  wall        {s.wall_s:.2f} s: set-up {s.setup_s:.2f} s (trace, arena and its prefault,"
+        f" the tier's start), replay {s.run_s:.2f} s, clean-up {s.cleanup_s:.2f} s",
     ]
     for reason, n in s.failure_reasons.items():
         lines.append(f"  - {n} x {reason}")
@@ -1552,6 +2182,135 @@ def format_summary(s: ReplaySummary) -> str:
     return "\n".join(lines)
 
 
+PLOT_EXTRA = "pip install 'pykvtier[plot]'"
+
+
+def _need_matplotlib() -> Any:
+    """matplotlib's pyplot on the Agg backend; ReplayConfigError naming the extra without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReplayConfigError(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA} "
+                                "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(s: ReplaySummary, path: str) -> None:
+    """Four panels against trace time (s): the hit ratio (each request's, and the run's so far),
+    each request's measured load time, the bytes of the loads and stores in flight, and TTFT
+    without the tier, with it (and with every hit loaded, for --bypass auto with --disk-gbps)."""
+    plt = _need_matplotlib()
+    tl = getattr(s, "timeline", None) or {}
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    mode = "back to back" if s.speed is None else f"{s.speed:g}x the trace's pace"
+    fig.suptitle(f"pykvtier replay: {_plural(s.requests, 'request')} of {s.trace}\n{s.model}, "
+                 f"{format_bytes(s.block_size_bytes)} blocks, {s.engine}, {mode}; estimates on {s.gpu}",
+                 fontsize=10)
+    xs, hr = tl.get("trace_s", []), tl.get("hit_ratio", [])
+    ax = axes[0]
+    ax.scatter(xs, hr, s=4, alpha=0.4, label="request")
+    if xs:
+        blocks = np.maximum(np.cumsum(tl.get("blocks", [])), 1)
+        ax.plot(xs, np.cumsum(tl.get("hits", [])) / blocks, color="C1", label="the run's so far")
+    ax.set_ylabel("block hit ratio")
+    ax.legend(loc="upper left", fontsize=8)
+    ax = axes[1]
+    load = tl.get("load_ms", [])
+    ax.scatter([x for x, _ in load], [y for _, y in load], s=4, color="C2")
+    ax.set_ylabel("load job, ms\n(measured)")
+    ax = axes[2]
+    q = tl.get("queue", [])
+    ax.plot([x for x, _, _ in q], [lb / 2**20 for _, lb, _ in q], label="loads", color="C2")
+    ax.plot([x for x, _, _ in q], [sb / 2**20 for _, _, sb in q], label="stores", color="C3", alpha=0.7)
+    ax.set_ylabel("in flight, MiB")
+    ax.legend(loc="upper left", fontsize=8)
+    ax = axes[3]
+    tt = tl.get("ttft", [])
+    ax.scatter([r["trace_s"] for r in tt], [r["ttft_no_tier_s"] for r in tt], s=4, label="without the tier",
+               color="C0", alpha=0.5)
+    ax.scatter([r["trace_s"] for r in tt], [r["ttft_tier_s"] for r in tt], s=4, color="C1", alpha=0.5,
+               label="with it" + (" (bypass auto)" if s.bypass == "auto" else ""))
+    nb = [r for r in tt if "ttft_no_bypass_s" in r]
+    if nb:
+        ax.scatter([r["trace_s"] for r in nb], [r["ttft_no_bypass_s"] for r in nb], s=4, color="C4",
+                   alpha=0.5, label="with it, every hit loaded")
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT, s (estimate:\nload, then compute)")
+    ax.set_xlabel("trace time, s")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def _seconds(v: float | None) -> str:
+    """``812 ms``, ``6.10 s``."""
+    if v is None:
+        return "n/a"
+    return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def _schedule_lines(s: ReplaySummary) -> list[str]:
+    if s.speed is None:
+        lines = ["  schedule    back to back (as fast as possible: arrival times ignored), each load"
+                 " waited for"]
+    else:
+        waits = ("" if s.schedule_wait_ms_p50 is None else
+                 f"; arrival to lookup p50 {s.schedule_wait_ms_p50:.1f} ms, p99 {s.schedule_wait_ms_p99:.1f} ms")
+        lines = [f"  schedule    by arrival time at {s.speed:g}x the trace's pace, a step every {s.step_ms:g} ms:"
+                 f" {_plural(s.steps, 'step')}, at most {s.max_requests_per_step} requests a step,"
+                 f" {_plural(s.requests_deferred, 'request')} put off a step ({s.requests_deferred_retry} for a RETRY,"
+                 f" {s.requests_deferred - s.requests_deferred_retry} for want of free slots){waits}"]
+    if s.moved_per_trace_block and s.moved_per_trace_block < s.blocks_per_trace_block:
+        lines.append(f"  KV moved    the first {s.moved_per_trace_block} of each 512-token trace block's "
+                     f"{s.blocks_per_trace_block} engine blocks ({format_bytes(s.moved_per_trace_block * s.block_size_bytes)}"
+                     f" of {format_bytes(s.blocks_per_trace_block * s.block_size_bytes)}); the others count"
+                     " as hit or missed with them (--kv-sample)")
+    return lines
+
+
+def _num(v: float) -> str:
+    """``562.8``, ``0.0123``: one decimal from 10 up, else three significant digits."""
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+
+
+def _gbps(v: float) -> str:
+    return f"{v:.2f} GB/s" if v >= 0.1 else f"{v:.3g} GB/s"
+
+
+def _worth_lines(s: ReplaySummary) -> list[str]:
+    """The summary's lines on what the hits were worth (the cost model's estimates)."""
+    if s.prefill_gpu_s_no_tier is None:
+        return []
+    saved = s.prefill_gpu_s_saved or 0.0
+    share = saved / s.prefill_gpu_s_no_tier if s.prefill_gpu_s_no_tier else 0.0
+    ms = lambda v: _seconds(None if v is None else v / 1e3)  # noqa: E731
+    lines = [
+        f"  worth       estimates: {s.model} prefill on {s.gpu} at MFU {s.mfu:g}; load times {s.load_time_source}",
+        f"    prefill   {_num(s.prefill_gpu_s_no_tier)} GPU-s without the tier; {_num(saved)} GPU-s saved"
+        f" ({share:.1%}) for {_num(s.load_s_of_hits)} s of loads; {s.requests_load_faster} of"
+        f" {_plural(s.requests_loaded, 'request')} loaded faster than their tokens compute",
+        f"    TTFT      without the tier p50 {ms(s.ttft_ms_no_tier_p50)}, p99 {ms(s.ttft_ms_no_tier_p99)};"
+        f" with it{' (bypass auto)' if s.bypass == 'auto' else ''} p50 {ms(s.ttft_ms_tier_p50)},"
+        f" p99 {ms(s.ttft_ms_tier_p99)} (load, then compute the rest)",
+    ]
+    if s.bypass == "auto":
+        nb = ("n/a without --disk-gbps (compare a run without --bypass)" if s.ttft_ms_no_bypass_p50 is None
+              else f"p50 {ms(s.ttft_ms_no_bypass_p50)}, p99 {ms(s.ttft_ms_no_bypass_p99)}")
+        lines.append(f"    bypass    {_plural(s.blocks_bypassed, 'hit block')} of {_plural(s.requests_bypassed, 'request')}"
+                     f" recomputed instead of loaded; TTFT with every hit loaded: {nb}")
+    hits = "" if s.break_even_gbps_hits is None else f", {_gbps(s.break_even_gbps_hits)} for this replay's loaded prefixes"
+    lines.append(f"    break-even disk {_gbps(s.break_even_gbps_block0)} for a block at token 0{hits};"
+                 f" this disk's loads here: {s.load_gbps:.2f} GB/s"
+                 + ("" if s.disk_gbps is None else f" (modeled: {s.disk_gbps:g} GB/s)"))
+    return lines
+
+
 def _size_arg(text: str) -> int | None:
     if text.strip().lower() in ("none", "unlimited", "inf"):
         return None
@@ -1559,6 +2318,22 @@ def _size_arg(text: str) -> int | None:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return v
+
+
+def _gpu_names() -> str:
+    from . import costmodel
+
+    return ", ".join(costmodel.GPU_PRESETS)
 
 
 def _positive_int(text: str) -> int:
@@ -1579,11 +2354,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{p.name} ({p.kv_bytes_per_token} B/token)" for p in _models.PRESETS.values()
     )
     parser.description = (
-        "Replay a KV-cache trace against a DiskTier as an engine would: look up each request's "
-        "prefix blocks (stop at the first MISS), load the hits into a host arena and check every "
-        "byte, then store the missed blocks. Prints hit ratios, GB/s, load latency, CPU per GiB, "
-        "evictions and verification failures; exits 1 if any block failed verification or any "
-        "error occurred."
+        "Replay a KV-cache trace against a DiskTier as a serving engine would: requests arrive at "
+        "the trace's timestamps (--speed), a scheduler step looks up each arrived request's prefix "
+        "blocks (stop at the first MISS), loads its hits into a host arena in one job and checks "
+        "every byte, then stores its missed blocks. Prints hit ratios, GB/s, load latency, CPU per "
+        "GiB, evictions and verification failures, and what the hits were worth: prefill GPU-seconds "
+        "saved, TTFT p50/p99 with and without the tier, the break-even disk bandwidth of the model "
+        "on the GPU. Exits 1 if any block failed verification or any error occurred."
+    )
+    parser.epilog = (
+        "Estimates (pykvtier.costmodel): for a request of L prompt tokens whose first h tokens were "
+        "loaded, P(n) the prefill seconds of tokens 0..n-1 (FLOPs, attention's quadratic part "
+        "included, at --mfu of the --gpu's peak dense bf16 FLOP/s): TTFT without the tier = P(L); "
+        "with it = T_load + (P(L) - P(h)): its load, then the prefill of the rest (what vLLM does; "
+        "no overlap); GPU time saved = P(h). T_load is the request's measured load job (submit to "
+        "finish) times full KV / KV moved (--kv-sample), or with --disk-gbps X its blocks' full KV "
+        "bytes / X. The GPU is taken to be free for each request; TTFT counts from the step that "
+        "looked it up. Measured: hit ratios, bytes, load latency, GB/s, CPU; modeled: prefill "
+        "times, the unmoved KV's load time, and with --disk-gbps every load time. See docs/design.md, "
+        "'The replay as a server sees it'."
     )
     parser.add_argument(
         "trace", nargs="?", default=None,
@@ -1634,6 +2423,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are counted apart) over blocks loaded and over blocks looked up, bytes verified, load "
         "p50/p99, GB/s; exits 1 on any wrong byte, error or inconsistent count. --capacity is "
         "each tier's capacity_bytes, --arena each process's")
+    parser.add_argument(
+        "--tier", choices=TIER_KINDS, default="pykvtier",
+        help="the tier replayed: pykvtier (its DiskTier; default) or vllm-fs: vLLM's own fs tier "
+        "(FileSystemTierManager of vLLM 0.33, where vLLM is installed: pykvtier.replay_tiers), "
+        "the same trace, driver and checks; --engine, --no-recycle and --nodes are pykvtier's")
+    parser.add_argument(
+        "--speed", metavar="X", type=_positive_float, default=DEFAULT_SPEED,
+        help="requests arrive at their trace timestamps compressed X times (trace seconds per "
+        f"second; default {DEFAULT_SPEED:g}); a scheduler step every --step-ms batches those that "
+        "arrived: their lookups, one load job per request, each request's store once its load "
+        "finished (at once when nothing hit); a RETRY puts a request off to the next step")
+    parser.add_argument("--as-fast-as-possible", action="store_true",
+                        help="ignore arrival times: request after request, each load waited for "
+                        "before the next request (the replay of earlier releases)")
+    parser.add_argument("--step-ms", metavar="MS", type=_positive_float, default=DEFAULT_STEP_MS,
+                        help=f"scheduler step in ms of the replay's time (default {DEFAULT_STEP_MS:g})")
+    parser.add_argument(
+        "--kv-sample", metavar="SIZE", type=_size_arg, default=parse_size(DEFAULT_KV_SAMPLE),
+        help="KV the replay moves of each 512-token trace block: its first engine blocks up to "
+        f"SIZE, at least one (default {DEFAULT_KV_SAMPLE}: one block of a real model, every block "
+        "of tiny); the trace block's other engine blocks count as hit or missed with them (a trace "
+        "block is hit or missed whole), the estimates count every token, and measured load times "
+        "are scaled by full KV / KV moved. 'all' moves every engine block")
+    parser.add_argument("--gpu", metavar="NAME", default=DEFAULT_GPU,
+                        help=f"GPU of the prefill estimates (default {DEFAULT_GPU}); one of: {_gpu_names()}")
+    parser.add_argument("--mfu", metavar="F", type=_positive_float, default=DEFAULT_MFU,
+                        help=f"model FLOPs utilisation of the prefill estimates, in (0, 1] (default {DEFAULT_MFU:g})")
+    parser.add_argument(
+        "--bypass", choices=BYPASS_MODES, default="off",
+        help="auto: each request loads only the prefix of its hits that loads no slower than it "
+        "recomputes (pykvtier.costmodel.loadable_prefix: the bandwidth a moving estimate of this "
+        "replay's finished loads with the bytes of the loads in flight queued before it, or "
+        "--disk-gbps with no queue); the rest of its hits are recomputed, counted as bypassed "
+        "(default off)")
+    parser.add_argument(
+        "--disk-gbps", metavar="X", type=_positive_float, default=None,
+        help="model a disk of X GB/s (1e9 B/s) for the estimates: a request's load time is its "
+        "loaded blocks' full KV bytes / X, each load served on its own, instead of the measured "
+        "time (the real I/O still runs and every byte is verified; hit ratios and load latencies "
+        "printed are measured); with --bypass auto the TTFT with every hit loaded is shown too")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw hit ratio, load latency and bytes in flight over trace time, and TTFT with and "
+        "without the tier, into FILE.png (needs matplotlib: pip install 'pykvtier[plot]')")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal, never with --json)")
@@ -1665,10 +2498,24 @@ def run(args: argparse.Namespace) -> int:
         recycle=not args.no_recycle,
         progress=not (args.no_progress or args.json),
         arena_bytes=args.arena,
+        speed=None if args.as_fast_as_possible else args.speed,
+        step_ms=args.step_ms,
+        kv_sample_bytes=args.kv_sample,
+        gpu=args.gpu,
+        mfu=args.mfu,
+        bypass=args.bypass,
+        disk_gbps=args.disk_gbps,
+        tier=args.tier,
     )
     if getattr(args, "nodes", None) is not None:
+        if args.plot is not None or args.tier != "pykvtier":
+            print("pykvtier replay: --nodes replays pykvtier's shared tiers; no --plot or --tier with it",
+                  file=sys.stderr)
+            return 2
         return _run_nodes_command(args, config)
     try:
+        if args.plot is not None:
+            _need_matplotlib()
         summary = run_replay(config)
     except (FileNotFoundError, TraceFormatError, ReplayConfigError, _models.UnknownModelError) as exc:
         print(f"pykvtier replay: {exc}", file=sys.stderr)
@@ -1677,6 +2524,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary.to_dict(), sort_keys=False))
     else:
         print(format_summary(summary))
+    if args.plot is not None:
+        try:
+            write_plot(summary, args.plot)
+        except OSError as exc:
+            print(f"pykvtier replay: cannot write the plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        print(f"pykvtier replay: plot written to {args.plot}", file=sys.stderr)
     return 0 if summary.ok else 1
 
 

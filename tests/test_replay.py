@@ -311,27 +311,30 @@ def test_tilde_in_the_root_is_the_home_directory(tmp_path, monkeypatch, capsys):
     assert os.listdir(cwd) == []
 
 
-# the arena the first 40 requests of the bundled trace need with llama-3-70b, 32 tokens/block:
-# the largest request has 171 trace blocks, 16 engine blocks each, of 10 MiB (327680 B/token)
-_ARENA_70B = ("cannot allocate the host arena of 26.72 GiB (2736 blocks of 10.00 MiB; the largest of the "
-              "40 requests needs 2736): Cannot allocate memory; replay fewer requests (--max-requests N), "
-              "a smaller model (--model), or run where more memory is free")
+# the arena the default run (the first 800 requests of the bundled trace, arriving by time) needs
+# with llama-3-70b, 16 tokens/block: the largest request has 239 trace blocks, one engine block of
+# each moved (--kv-sample 1MiB), 5 MiB (327680 B/token x 16); room for four such requests, within
+# 4 GiB
+_ARENA_70B = ("cannot allocate the host arena of 4.00 GiB (819 blocks of 5.00 MiB; the largest of the "
+              "800 requests needs 239): Cannot allocate memory; replay fewer requests (--max-requests N), "
+              "a smaller model (--model), a smaller --arena (down to 1.17 GiB, the largest request), or run "
+              "where more memory is free")
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "llama-3-70b"], _ARENA_70B),
     (["--model", "tiny", "--tokens-per-block", "128", "--arena", "8GiB"],
-     "cannot allocate the host arena of 8.00 GiB (262144 blocks of 32.00 KiB; the largest of the 40 "
-     "requests needs 684): Cannot allocate memory; replay fewer requests (--max-requests N), a smaller "
-     "model (--model), a smaller --arena (down to 21.38 MiB, the largest request), or run where more "
+     "cannot allocate the host arena of 8.00 GiB (262144 blocks of 32.00 KiB; the largest of the 800 "
+     "requests needs 956): Cannot allocate memory; replay fewer requests (--max-requests N), a smaller "
+     "model (--model), a smaller --arena (down to 29.88 MiB, the largest request), or run where more "
      "memory is free"),
 ], ids=["llama-3-70b", "arena-option"])
 def test_an_arena_the_memory_cannot_hold_is_one_line_and_exit_2(tmp_path, argv, message):
     """The arena does not fit (here: RLIMIT_AS of 4 GiB, as `ulimit -v` sets it; on a real machine,
     too little memory): one line naming its size and the ways out, exit 2, no traceback, the
     temporary root removed."""
-    assert models.block_size_bytes("llama-3-70b", 32) == 10 << 20
-    assert max(len(r.hash_ids) for r in load_trace(None, 40)) == 171
+    assert models.block_size_bytes("llama-3-70b", 16) == 5 << 20
+    assert max(len(r.hash_ids) for r in load_trace(None, 800)) == 239
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     code = ("import resource, sys\n"
@@ -387,7 +390,7 @@ def test_keys_distinct_per_sub_block():
 
 @pytest.mark.nvme
 def test_default_replay_on_nvme(root, capsys):
-    """`pykvtier replay` with its defaults (about a minute, ~27 GiB written, 8 GiB on disk at
+    """`pykvtier replay` with its defaults (about a minute, ~16 GiB written, 8 GiB on disk at
     most) on the storage under test: no verification failures, no errors, evictions."""
     rc = cli.main(["replay", "--root", os.path.join(root, "replay"), "--json"])
     d = json.loads(capsys.readouterr().out)
