@@ -418,6 +418,8 @@ class DiskTier:
         self._removed: list[bytes] | None = [] if cfg.track_removals else None
         self._keeper: RootKeeper | None = None  # a shared root's capacity (pykvtier.sharing)
         self._awaiting: list[_Pending] = []  # a shared tier's stores waiting for a grant, FIFO
+        # digests the root's evictor evicted that were being read, pinned or written here then
+        self._evicted_later: dict[bytes, None] = {}
         # digest -> its index in the next probe batch (first asked first), until the step's end
         self._probe_wanted: dict[bytes, int] = {}
         # probe batches in flight: (first ticket, digest -> index), digests whose result was not
@@ -1222,8 +1224,13 @@ class DiskTier:
 
     def _shared_round(self) -> None:
         """A shared tier: drops the blocks the root's evictor announced (a MISS from now on, for
-        probe_ttl_s, as after a probe's "not found"), then admits the stores its grant covers."""
+        probe_ttl_s, as after a probe's "not found"), then admits the stores its grant covers.
+        A block being read, pinned or written here when its eviction is announced is dropped
+        once it can be (at a later round)."""
         gone = self._keeper.take_evicted()
+        if self._evicted_later:
+            gone = [*self._evicted_later, *gone]
+            self._evicted_later = {}
         if gone:
             expiry = _now() + self.probe_ttl_s
             n = 0
@@ -1235,6 +1242,8 @@ class DiskTier:
                         self._removed.append(d)
                     self._probe_misses[d] = expiry
                     n += 1
+                elif self._bindex.state(d) in (_PRESENT, _WRITING):
+                    self._evicted_later[d] = None  # (its file is gone: kept, it would be a HIT)
                 elif d not in self._bindex and d not in self._probe_wanted:
                     self._probe_misses[d] = expiry
             self._stats["shared_evictions_applied"] += n

@@ -513,3 +513,58 @@ def test_without_capacity_stores_in_flight_count_against_the_free_space(
         monkeypatch.undo()
         for t in (e, b):
             t.shutdown()
+
+
+def test_a_block_evicted_while_this_member_reads_it_is_a_miss_once_read(
+        tmp_path, manual, clock, arena):
+    """b loads x; before b collects the load, the evictor evicts x and b reads the
+    announcement: x could not be dropped then (a load was reading it) and was forgotten, so x
+    stayed in b's index for good: HIT, a store of x 'skipped, present' (a success for a block
+    that is not on the disk), until a later load failed ENOENT. The announcement should be
+    applied once the load is done (the read itself is whole: the file was open)."""
+    import numpy as np
+
+    root = str(tmp_path / "root")
+    a = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    b = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    try:
+        src = arena(2, BS)
+        src[...] = np.random.default_rng(9).integers(0, 256, src.shape, dtype=np.uint8)
+        a.set_arena(src)
+        dst = arena(2, BS)
+        b.set_arena(dst)
+        a._keeper.run_once()
+        got: dict[int, JobResult] = {}
+        a.submit_store(TransferJob(1, [b"x", b"y"], [0, 1]))
+        rounds(a, b, into=got)
+        collect(a, got)
+        assert got[1].success
+        set_mtimes([a.layout.block_path(key_digest(k)) for k in (b"x", b"y")], OLD_NS)
+        assert b.lookup(b"x") == tier_mod.LookupResult.RETRY
+        b.on_step_end()
+        b.drain()
+        assert b.lookup(b"x") == tier_mod.LookupResult.HIT
+        b.submit_load(TransferJob(2, [b"x"], [0]))  # (not collected yet: x is being read)
+        a._keeper._ev.rescan_soon = True
+        a.submit_store(TransferJob(3, [b"z"], [0]))
+        rounds(a, into=got)  # x, the oldest, evicted and announced
+        collect(a, got)
+        assert got[3].success and not os.path.exists(a.layout.block_path(key_digest(b"x")))
+        b._keeper.run_once()  # b reads the announcement
+        collect(b, got)  # ... while the load is in flight, then the load is collected
+        assert got[2].success and np.array_equal(dst[0], src[0])  # (the open file, read whole)
+        b.on_step_end()
+        assert b.lookup(b"x") == tier_mod.LookupResult.MISS
+        set_mtimes(block_files(root), OLD_NS + 10)  # (y, z)
+        a._keeper._ev.rescan_soon = True
+        b.submit_store(TransferJob(4, [b"x"], [1]))
+        for _ in range(3):
+            rounds(a, b, into=got)
+            collect(b, got)
+        assert got[4].success
+        assert b.stats()["stores_skipped_present"] == 0  # written again, not 'present'
+        assert os.path.exists(b.layout.block_path(key_digest(b"x")))
+    finally:
+        clock.tick(11)
+        a.shutdown()
+        b.shutdown()
