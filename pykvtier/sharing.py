@@ -710,10 +710,13 @@ class RootKeeper:
 
     def _evict(self, ev: _EvictorState, nbytes: int) -> None:
         """Unlinks least recently used block files until ``nbytes`` are freed (or none is left):
-        a candidate whose file was used since the count (a newer modification time) is kept."""
-        gone: list[bytes] = []
-        freed = 0
-        while freed < nbytes and ev.candidates:
+        a candidate whose file was used since the count (a newer modification time) is kept.
+        The victims are announced before they are unlinked: an evictor that dies in between
+        leaves blocks announced and still there (a MISS, found again by a probe), never blocks
+        gone and unannounced (a HIT for good on the members that hold them)."""
+        victims: list[tuple[_Candidate, str]] = []
+        chosen = 0
+        while chosen < nbytes and ev.candidates:
             c = ev.candidates.pop()
             path = self._block_path(c.digest)
             try:
@@ -725,21 +728,22 @@ class RootKeeper:
                 continue
             if st.st_mtime_ns != c.mtime_ns:  # used (or stored again) since the count
                 continue
+            victims.append((c, path))
+            chosen += c.size
+        if not victims:
+            return
+        self._append_log(ev, [c.digest for c, _ in victims])
+        self.stats["shared_evictions"] += len(victims)
+        for c, path in victims:
             try:
                 os.unlink(path)
             except FileNotFoundError:
-                ev.freed += c.size
-                continue
+                pass
             except OSError as exc:
                 logger.warning("pykvtier: shared root: cannot evict %s: %s", path, exc.strerror)
                 continue
             ev.freed += c.size
-            freed += c.size
-            gone.append(c.digest)
             ev.horizon_s = max(0.0, time.time() - c.mtime_ns / 1e9)
-        if gone:
-            self.stats["shared_evictions"] += len(gone)
-            self._append_log(ev, gone)
 
     def _append_log(self, ev: _EvictorState, digests: list[bytes]) -> None:
         path = self._log_path(ev.log_gen)

@@ -568,3 +568,61 @@ def test_a_block_evicted_while_this_member_reads_it_is_a_miss_once_read(
         clock.tick(11)
         a.shutdown()
         b.shutdown()
+
+
+class _Killed(BaseException):
+    """The evictor's process dying at that point (nothing after it runs)."""
+
+
+def test_an_evictor_killed_in_the_middle_of_evicting_leaves_no_block_unannounced(
+        tmp_path, manual, clock, arena, monkeypatch):
+    """The evictor unlinked its victims one by one and announced them after the last: killed
+    in between (here at its second unlink), the first victim was gone from the disk but never
+    announced, so b kept it in its index for good (HIT; a store of its key 'skipped,
+    present'). Announcing before unlinking leaves at worst a block announced and still there
+    (a MISS, then found again by a probe)."""
+    root = str(tmp_path / "root")
+    a = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    b = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    try:
+        a.set_arena(arena(2, BS))
+        b.set_arena(arena(2, BS))
+        a._keeper.run_once()
+        got: dict[int, JobResult] = {}
+        a.submit_store(TransferJob(1, [b"x", b"y"], [0, 1]))
+        rounds(a, b, into=got)
+        collect(a, got)
+        paths = [a.layout.block_path(key_digest(k)) for k in (b"x", b"y")]
+        set_mtimes(paths, OLD_NS)  # x the older
+        for k in (b"x", b"y"):
+            assert b.lookup(k) == tier_mod.LookupResult.RETRY
+        b.on_step_end()
+        b.drain()
+        assert [b.lookup(k) for k in (b"x", b"y")] == [tier_mod.LookupResult.HIT] * 2
+        unlinks = []
+        real_unlink = os.unlink
+
+        def unlink_then_die(path, *args, **kwargs):
+            if path in paths:
+                unlinks.append(path)
+                if len(unlinks) == 2:
+                    raise _Killed
+            return real_unlink(path, *args, **kwargs)
+
+        a._keeper._ev.rescan_soon = True
+        a.submit_store(TransferJob(2, [b"z1", b"z2"], [0, 1]))
+        monkeypatch.setattr(os, "unlink", unlink_then_die)
+        with pytest.raises(_Killed):
+            a._keeper.run_once()  # a's want published, evicting x, then y: dies there
+        monkeypatch.undo()
+        gone = [not os.path.exists(p) for p in paths]
+        b._keeper.run_once()
+        b.on_step_end()
+        answers = [b.lookup(k) for k in (b"x", b"y")]
+        for g, r in zip(gone, answers):  # a block gone from the disk is no HIT
+            assert not (g and r == tier_mod.LookupResult.HIT), (gone, answers)
+        assert gone[0]
+    finally:
+        clock.tick(11)
+        a.shutdown()
+        b.shutdown()
