@@ -298,6 +298,7 @@ class RootKeeper:
         self.wanted = 0
         self.first = 0  # reserved plus returned plus the bytes of the first store waiting
         self._want_at = time.monotonic()  # when a store last waited (or the member started)
+        self._short_since: float | None = None  # since when the grant falls short of the first
         self._evicted: list[bytes] = []
         self._used: list[bytes] = []
         self.stats = {"shared_grant_rounds": 0, "shared_evictions": 0, "shared_evicted_seen": 0,
@@ -488,10 +489,22 @@ class RootKeeper:
     def _publish(self) -> None:
         with self._mu:
             unused = self.granted - self.reserved - self.returned
+            now = time.monotonic()
             if (unused > 0 and self.wanted <= self.reserved + self.returned
-                    and time.monotonic() >= self._want_at + RETURN_IDLE_S):
+                    and now >= self._want_at + RETURN_IDLE_S):
                 self.returned += unused  # idle: the evictor may give it to others
                 self.wanted = self.first = self.reserved + self.returned
+            # Short of its first waiting store for RETURN_IDLE_S: given back too (the evictor
+            # grants in order; held here, it could keep the store before it from its room).
+            if not 0 < unused < self.first - self.reserved - self.returned:
+                self._short_since = None
+            elif self._short_since is None:
+                self._short_since = now
+            elif now >= self._short_since + RETURN_IDLE_S:
+                self.returned += unused  # (the same stores wait: wanted and first move with it)
+                self.wanted += unused
+                self.first += unused
+                self._short_since = None
             figures = (self.reserved, self.settled, self.returned, self.wanted, self.first,
                        self.granted)
         if figures != self._published:

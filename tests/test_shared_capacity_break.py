@@ -626,3 +626,43 @@ def test_an_evictor_killed_in_the_middle_of_evicting_leaves_no_block_unannounced
         clock.tick(11)
         a.shutdown()
         b.shutdown()
+
+
+def test_a_grant_held_short_of_a_waiting_store_does_not_stall_the_store_before_it(
+        tmp_path, manual, clock, arena, monkeypatch):
+    """a waits to store 16 blocks, the whole root; b holds 1 block of grant (headroom) and
+    waits to store 3 behind it. The evictor can free 15 blocks for a, never 16 (b's block is
+    b's), and grants in order: neither went on until a's wait ran out (10 s). A member whose
+    grant falls short of its first waiting store should give it back after RETURN_IDLE_S
+    (here 0), so that the store before it can have it."""
+    monkeypatch.setattr(sharing, "RETURN_IDLE_S", 0.0)
+    root = str(tmp_path / "root")
+    cap = 16
+    a = DiskTier(root, BS, shared=True, capacity_bytes=cap * FB)
+    b = DiskTier(root, BS, shared=True, capacity_bytes=cap * FB)
+    try:
+        a.set_arena(arena(cap, BS))
+        b.set_arena(arena(3, BS))
+        a._keeper.run_once()
+        got: dict[int, JobResult] = {}
+        b.submit_store(TransferJob(1, [b"b0"], [0]))
+        rounds(a, b, into=got)
+        collect(b, got)
+        assert got[1].success and b._keeper.room() == FB  # its headroom share
+        a.submit_store(TransferJob(2, [b"a%d" % i for i in range(cap)], list(range(cap))))
+        a._keeper.run_once()  # a asks first
+        b.submit_store(TransferJob(3, [b"b1", b"b2", b"b3"], [0, 1, 2]))  # (b never idle)
+        for _ in range(8):
+            set_mtimes(block_files(root), OLD_NS)
+            a._keeper._ev.rescan_soon = True
+            rounds(a, b, into=got)
+            collect(a, got)
+            collect(b, got)
+            if 2 in got and 3 in got:
+                break
+        assert (got.get(2) and got[2].success, got.get(3) and got[3].success) == (True, True)
+        assert len(block_files(root)) <= cap
+    finally:
+        clock.tick(11)
+        a.shutdown()
+        b.shutdown()
