@@ -49,6 +49,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .layout import Layout
+
 logger = logging.getLogger("pykvtier")
 
 __all__ = ["RootKeeper", "SHARED_DIR"]
@@ -80,6 +82,10 @@ COUNT_MARGIN_S = 0.1
 #: or the evictor's behind) are candidates all the same, the newest: else none of them could
 #: be evicted until the clocks met.
 FUTURE_S = 60.0
+#: A temporary nobody wrote for this long is a dead writer's (a member killed in the middle of a
+#: store): the evictor's count removes it (a tier's start-up sweep waits an hour on a shared
+#: root; meanwhile it took a block of the root's capacity).
+STALE_TMP_S = 60.0
 #: Seconds without a store waiting after which a member gives back the grant it has not used.
 RETURN_IDLE_S = 1.0
 
@@ -303,7 +309,8 @@ class RootKeeper:
         self._used: list[bytes] = []
         self.stats = {"shared_grant_rounds": 0, "shared_evictions": 0, "shared_evicted_seen": 0,
                       "shared_use_times_set": 0, "shared_rescans": 0, "shared_evictor_terms": 0,
-                      "shared_dead_members": 0, "shared_round_errors": 0}
+                      "shared_dead_members": 0, "shared_round_errors": 0,
+                      "shared_stale_temporaries_removed": 0}
         # --- the keeper thread's own
         self._published: tuple[int, ...] | None = None
         self._log_gen: int | None = None
@@ -666,6 +673,7 @@ class RootKeeper:
         # nodes' clocks differ by a few ms under NTP)
         start_ns = time.time_ns() - int(COUNT_MARGIN_S * 1e9)
         future_ns = start_ns + int((COUNT_MARGIN_S + FUTURE_S) * 1e9)
+        stale_ns = start_ns - int(STALE_TMP_S * 1e9)
         self._read_members(ev, now)  # (the figures just before the count: little counted twice)
         for m in ev.members.values():
             # Stores settled before the count are in it; those in flight (a temporary still
@@ -692,12 +700,28 @@ class RootKeeper:
                         counted += st.st_size
                         if st.st_mtime_ns < start_ns or st.st_mtime_ns > future_ns:
                             cands.append(_Candidate(st.st_mtime_ns, d, st.st_size))
+                    elif (st.st_mtime_ns < stale_ns and Layout.tmp_owner(de.name) is not None
+                          and self._remove_stale(os.path.join(sub, de.name))):
+                        pass  # a dead writer's temporary (killed in the middle of a store)
                     else:  # a temporary: a whole block file once written
                         counted += max(st.st_size, self.file_bytes)
         cands.sort(key=lambda c: -c.mtime_ns)
         ev.counted, ev.freed, ev.candidates = counted, 0, cands
         ev.scanned_at, ev.rescan_soon = now, False
         self.stats["shared_rescans"] += 1
+
+    def _remove_stale(self, path: str) -> bool:
+        """Unlinks a dead writer's temporary; False when it cannot (then it still counts)."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            logger.warning("pykvtier: shared root: cannot remove stale temporary %s: %s", path,
+                           exc.strerror)
+            return False
+        self.stats["shared_stale_temporaries_removed"] += 1
+        return True
 
     def _committed(self, ev: _EvictorState) -> int:
         return ev.counted - ev.freed + sum(max(0, m.granted - m.base - m.returned)

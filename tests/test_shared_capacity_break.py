@@ -666,3 +666,39 @@ def test_a_grant_held_short_of_a_waiting_store_does_not_stall_the_store_before_i
         clock.tick(11)
         a.shutdown()
         b.shutdown()
+
+
+def test_temporaries_a_killed_member_left_do_not_hold_the_root_for_an_hour(
+        tmp_path, manual, clock, arena):
+    """Members SIGKILLed in the middle of stores leave their temporaries (12 kills of a member
+    storing 8 blocks of 4 MiB a job left 18 on a 64-block root). The evictor counts each as a
+    whole block file and nobody removes them: a shared tier's start-up removes temporaries only
+    an hour old. The root held that much less for an hour; all of it, when enough members
+    died. A temporary nobody has written for a minute is a dead writer's: the evictor's count
+    should remove it."""
+    root = str(tmp_path / "root")
+    t = DiskTier(root, BS, shared=True, capacity_bytes=2 * FB)
+    try:
+        t.set_arena(arena(2, BS))
+        dead = []
+        for i, k in enumerate((b"dead0", b"dead1")):  # as a killed writer leaves them
+            p = t.layout.block_path(key_digest(k)) + ".tmp.999999.%d" % i
+            with open(p, "wb") as f:
+                f.write(b"\0" * (FB // 2))
+            os.utime(p, ns=(time.time_ns() - 120 * 10**9,) * 2)  # two minutes untouched
+            dead.append(p)
+        live = t.layout.block_path(key_digest(b"live")) + ".tmp.999998.0"
+        with open(live, "wb") as f:  # (a writer at work: not touched)
+            f.write(b"\0" * 4096)
+        t._keeper.run_once()
+        got: dict[int, JobResult] = {}
+        t.submit_store(TransferJob(1, [b"k0"], [0]))
+        for _ in range(3):
+            rounds(t, into=got)
+            collect(t, got)
+        assert 1 in got and got[1].success
+        assert [os.path.exists(p) for p in dead] == [False, False]
+        assert os.path.exists(live)
+    finally:
+        clock.tick(11)
+        t.shutdown()
