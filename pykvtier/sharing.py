@@ -533,7 +533,8 @@ class RootKeeper:
             logger.warning("pykvtier: shared root %s: this tier's capacity_bytes=%s differs from "
                            "the evictor's (%s): the evictor's is the root's", self.dir,
                            self.capacity_bytes, cap)
-        mine = g.get("grants", {}).get(self.member_id)
+        grants = g.get("grants")
+        mine = grants.get(self.member_id) if isinstance(grants, dict) else None
         if isinstance(mine, int):
             with self._mu:
                 if mine > self.granted:

@@ -702,3 +702,23 @@ def test_temporaries_a_killed_member_left_do_not_hold_the_root_for_an_hour(
     finally:
         clock.tick(11)
         t.shutdown()
+
+
+@pytest.mark.parametrize("grants", [[], None, "x", 7])
+def test_a_grants_record_of_the_wrong_shape_stops_no_member_round(tmp_path, manual, grants):
+    """grants.json with a valid checksum but 'grants' no object (a bug elsewhere, a hand
+    edit): every member's round raised AttributeError reading it, before the eviction log was
+    read (no eviction reached any index) and until the evictor rewrote the record."""
+    import zlib
+
+    root = str(tmp_path / "root")
+    a = DiskTier(root, BS, shared=True, capacity_bytes=4 * FB)
+    try:
+        body = json.dumps({"evictor": "someone", "log_gen": 1, "grants": grants}).encode()
+        with open(os.path.join(root, "shared", "grants.json"), "wb") as f:
+            f.write(body + b"\n%08x\n" % zlib.crc32(body))
+        a._keeper._evictor_try_at = 1e18  # (not the evictor: the record stays as it is)
+        a._keeper.run_once()  # (raised AttributeError)
+        assert a._keeper.granted == 0
+    finally:
+        a.shutdown()
