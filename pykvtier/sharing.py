@@ -291,9 +291,22 @@ class RootKeeper:
             except FileExistsError:
                 pass
         self.member_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._member_lock = _try_lock(self._member_path(".lock"), file_mode, create=True)
+        # Locked under another name, then renamed: the lock file appears locked (an evictor's
+        # liveness check between its creation and its lock would take it for a dead member's).
+        tmp = self._member_path(".new")
+        self._member_lock = _try_lock(tmp, file_mode, create=True)
         if self._member_lock is None:  # a random name: nobody else holds it
-            raise OSError(errno.EBUSY, f"cannot lock {self._member_path('.lock')}")
+            raise OSError(errno.EBUSY, f"cannot lock {tmp}")
+        try:
+            os.rename(tmp, self._member_path(".lock"))
+        except BaseException:
+            os.close(self._member_lock)
+            self._member_lock = None
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         _keepers.add(self)
         # --- shared with the tier's thread, under _mu
         self._mu = threading.Condition(threading.Lock())

@@ -722,3 +722,43 @@ def test_a_grants_record_of_the_wrong_shape_stops_no_member_round(tmp_path, manu
         assert a._keeper.granted == 0
     finally:
         a.shutdown()
+
+
+def test_a_member_starting_during_a_liveness_check_is_not_taken_for_dead(tmp_path, manual,
+                                                                        monkeypatch):
+    """A member's lock file was created, then locked: an evictor whose liveness check came in
+    between took the lock, found the member 'dead' and removed its files; the member then
+    locked the removed file and ran on as a member without a lock file, which no check could
+    ever find dead (its grant held for good once it died). The lock file should appear only
+    once locked."""
+    root = str(tmp_path / "root")
+    e = DiskTier(root, BS, shared=True, capacity_bytes=8 * FB)
+    members = os.path.join(root, "shared", "members")
+    real_flock = sharing.fcntl.flock
+    checked = []
+
+    def flock_after_a_liveness_check(fd, op):
+        if not checked and os.readlink(f"/proc/self/fd/{fd}").startswith(members):
+            checked.append(os.readlink(f"/proc/self/fd/{fd}"))
+            e._keeper._ev.liveness_at = 0.0
+            e._keeper.run_once()  # (the evictor's check, between the open and the lock)
+        return real_flock(fd, op)
+
+    b = None
+    try:
+        e._keeper.run_once()
+        assert e._keeper.is_evictor
+        monkeypatch.setattr(sharing.fcntl, "flock", flock_after_a_liveness_check)
+        b = DiskTier(root, BS, shared=True, capacity_bytes=8 * FB)
+        monkeypatch.undo()
+        assert checked
+        assert os.path.exists(os.path.join(members, b._keeper.member_id + ".lock"))
+        e._keeper._ev.liveness_at = 0.0
+        b._keeper.run_once()
+        e._keeper.run_once()
+        assert e.stats()["shared_dead_members"] == 0
+    finally:
+        monkeypatch.undo()
+        for t in (e, b):
+            if t is not None:
+                t.shutdown()
