@@ -40,6 +40,22 @@ How it maps onto pykvtier (docs/design.md, "LMCache"):
 - Shut-down: LMCache's ``StorageManager.close`` frees LocalCPUBackend's arena *before* it closes
   the plug-ins, so the plug-in wraps that backend's ``close``: every put and get in flight
   finishes first, and nothing reads or writes the arena after it is freed.
+- ``bypass: auto`` (off by default; docs/design.md "Load or recompute"): LMCache looks a
+  request's chunks up as a prefix, tier by tier (``StorageManager.batched_contains``: each tier
+  gets the keys after the chunks the tiers above it hold, and answers how many of them it holds
+  in a row), so :meth:`PyKVTierStoragePlugin.batched_contains` (and ``batched_async_contains``)
+  answers at most the ``k`` of :func:`pykvtier.costmodel.loadable_prefix` of the chunks it
+  found: their load (a block each, behind the blocks of the loads in flight, at a moving
+  estimate of the finished loads' bandwidth or ``bypass_bytes_per_s`` before the first) against
+  the prefill of their ``chunk_size`` tokens each on ``world_size`` GPUs. LMCache does not tell
+  a tier where its keys start in the prompt: the first is taken at token 0 (the attention over
+  the chunks before it counted as free), and chunks the engine already holds on the GPU are
+  counted as loads; both lean to recomputing. Only the ``k`` chunks are pinned. A lookup's
+  loadable chunks are remembered until a get reads them (at most 65,536 keys, oldest dropped),
+  and a later ``batched_contains`` of such chunks only (LMCache's retrieve asks again, in
+  ``StorageManager.get_block_mapping``) answers them without deciding again, so a retrieve
+  never loses chunks its lookup promised. ``contains`` is not capped. Counted:
+  ``stats()["bypassed_hits"]``, ``["bypassed_requests"]``.
 
 Importing this module imports LMCache; importing ``pykvtier`` never does.
 """
@@ -55,6 +71,7 @@ import math
 import re
 import struct
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -65,6 +82,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from ..config import DiskTierConfig
 from ..tier import LookupResult
+from .bypass import PrefixBypass, bypass_docs, check_bypass
 from .options import AdapterOptions, check_root, open_namespace_tiers, opt
 from .shards import Shards
 
@@ -82,6 +100,9 @@ _PACKED_TAG = b"\0packed"
 _RECORD_MAX = 4096  # bytes at most of a packed record
 #: Answers of a stored, loadable block: HIT_PENDING is a HIT whose block is being read (or pinned).
 _STORED = (LookupResult.HIT, LookupResult.HIT_PENDING)
+_BYPASS_DOCS = bypass_docs("chunks", "LMCache's world size (tensor parallel)")
+#: bypass: auto: the loadable chunks of recent lookups kept until a get reads them, at most.
+_PROMISED_MAX = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,16 @@ class PyKVTierLMCacheConfig(AdapterOptions):
                "does not know are probed (one batch of `statx` per lookup)")
     fsync: bool = opt(False, "durable puts: each block file fdatasync'ed, each directory "
                              "fsync'ed once per batch, before the put is reported complete")
+    bypass: str = opt("off", _BYPASS_DOCS["bypass"].replace(
+        "answer missing", "answer missing in a lookup (`batched_contains`)"))
+    bypass_model: str | None = opt(None, _BYPASS_DOCS["bypass_model"])
+    bypass_gpu: str = opt("h100", _BYPASS_DOCS["bypass_gpu"])
+    bypass_mfu: float = opt(0.5, _BYPASS_DOCS["bypass_mfu"])
+    bypass_bytes_per_s: float | None = opt(None, _BYPASS_DOCS["bypass_bytes_per_s"])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bypass(self)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None, name: str) -> PyKVTierLMCacheConfig:
@@ -235,6 +266,9 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         self._lock_free = threading.Lock()  # close() once
         self._final_stats: dict[str, int] | None = None
         self._active = 0  # calls using the arena now (close() waits for them)
+        self._bypass: PrefixBypass | None = None  # bypass: auto (guarded by the shards' lock)
+        self._promised: OrderedDict[bytes, None] = OrderedDict()  # loadable, not yet read
+        self.prefill = self.bandwidth = None
         self.counts = {"puts_zero_copy": 0, "puts_packed": 0, "puts_copied": 0,
                        "puts_skipped_present": 0,
                        "puts_failed": 0, "puts_refused_no_memory": 0, "gets_hit": 0,
@@ -304,6 +338,9 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             opts, arena, spanning=True, split=split, instance="LMCache instance")
         self._arena_addr, self._arena_end = int(arena.data_ptr()), int(arena.data_ptr()) + arena.numel()
         self._shards = Shards(tiers, f"lmcache-{self.name}")
+        if cfg.bypass == "auto":  # the prefill of a chunk's tokens, split over the TP workers
+            self._bypass = PrefixBypass(cfg, int(md.world_size or 1))
+            self.prefill, self.bandwidth = self._bypass.prefill, self._bypass.bandwidth
         # LMCache's StorageManager.close() closes LocalCPUBackend, which frees the arena, before
         # it closes the plug-ins: drain first (no put or get in flight touches freed memory).
         backend, original = self.local_cpu_backend, self.local_cpu_backend.close
@@ -376,24 +413,53 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         """Whether ``key``'s chunk is stored here (a put in flight is not: see
         :meth:`exists_in_put_tasks`); with ``pin`` it is also pinned. As LMCache's
         ``StorageBackendInterface.contains``. Any thread; never waits on the disk for a key
-        the index knows."""
-        return self.batched_contains([key], pin) == 1
+        the index knows. Never capped by ``bypass``."""
+        return self._contains([key], pin, cap=False) == 1
 
     def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
         """The number of leading ``keys`` stored here (a prefix count), as LMCache's
-        ``StorageBackendInterface.batched_contains``; with ``pin`` those are pinned."""
+        ``StorageBackendInterface.batched_contains``; with ``pin`` those are pinned. With
+        ``bypass: auto`` at most the chunks that load faster than they recompute
+        (:meth:`_cap`; module docs)."""
+        return self._contains(keys, pin, cap=True)
+
+    def _contains(self, keys: list[Any], pin: bool, cap: bool) -> int:
         kbs = [_key_bytes(k) for k in keys]
         if self._shards is None or self._closed or not kbs:
             return 0
         with self._shards.cv:
             if self._closed:
                 return 0
-            n = 0
+            found = []
             for kb, (a, packed) in zip(kbs, self._answers(kbs)):
-                if a not in _STORED or (pin and not self._pin_locked(kb, packed)):
+                if a not in _STORED:
+                    break
+                found.append((kb, packed))
+            if cap and self._bypass is not None and found:
+                found = found[:self._cap([kb for kb, _ in found])]
+            n = 0
+            for kb, packed in found:
+                if pin and not self._pin_locked(kb, packed):
                     break
                 n += 1
         return n
+
+    def _cap(self, kbs: list[bytes]) -> int:
+        """bypass: auto, holding the lock: how many of the stored leading chunks ``kbs`` to
+        answer. All of them when every one is a chunk a lookup answered loadable and no get
+        has read since (a retrieve asking again); else the ``k`` of ``loadable_prefix`` (a
+        block of ``chunk_size`` tokens each, the first at token 0, behind the blocks of the
+        loads in flight), its chunks remembered as loadable."""
+        if all(kb in self._promised for kb in kbs):
+            return len(kbs)
+        k = self._bypass.cap(len(kbs), self.block_bytes, int(self.config.chunk_size), 0,
+                             self._shards.loading_blocks() * self.block_bytes)
+        for kb in kbs[:k]:
+            self._promised[kb] = None
+            self._promised.move_to_end(kb)
+        while len(self._promised) > _PROMISED_MAX:
+            self._promised.popitem(last=False)
+        return k
 
     async def batched_async_contains(self, lookup_id: str, keys: list[Any], pin: bool = False) -> int:
         """:meth:`batched_contains` for LMCache's asynchronous loading (``enable_async_loading``),
@@ -658,6 +724,8 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
     def _get(self, sh: Shards, kbs: list[bytes], out: list[Any], n: dict[str, int]) -> None:
         with sh.cv:
             where = self._answers(kbs)
+            for kb in kbs:  # (bypass: the lookup's promise is kept: read now)
+                self._promised.pop(kb, None)
         bkeys, slots, objs, idx, packed = [], [], [], [], []
         for i, (kb, (a, is_packed)) in enumerate(zip(kbs, where)):
             if a not in _STORED:
@@ -678,7 +746,11 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
             packed.append(is_packed)
         if not bkeys:
             return
-        ok = sh.wait(sh.submit(bkeys, slots, True))
+        call = sh.submit(bkeys, slots, True)
+        ok = sh.wait(call)
+        if self._bypass is not None:
+            with sh.cv:
+                self._bypass.measured(call.results)
         for bk, obj, i, is_packed in zip(bkeys, objs, idx, packed):
             if not ok[bk]:
                 obj.ref_count_down()
@@ -723,9 +795,14 @@ class PyKVTierStoragePlugin(StoragePluginInterface):
         return self.local_cpu_backend
 
     def stats(self) -> dict[str, int]:
-        """The plug-in's counts (``puts_zero_copy``, ``puts_packed``, ``gets_hit``, ...) and
-        its tiers' DiskTier counters, summed over the roots."""
+        """The plug-in's counts (``puts_zero_copy``, ``puts_packed``, ``gets_hit``, ...), the
+        bypass counters (the vLLM adapter's names: ``bypassed_hits``, chunks stored here that a
+        lookup answered missing, their load slower than their recompute;
+        ``bypassed_requests``, the lookups that did; 0 with ``bypass: off``) and its tiers'
+        DiskTier counters, summed over the roots."""
         out = dict(self.counts)
+        out.update(self._bypass.stats() if self._bypass is not None
+                   else {"bypassed_hits": 0, "bypassed_requests": 0})
         tiers = self._final_stats if self._final_stats is not None else self._tier_stats()
         for k, v in tiers.items():
             out[k] = out.get(k, 0) + v

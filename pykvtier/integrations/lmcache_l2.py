@@ -47,6 +47,13 @@ How it maps onto pykvtier:
 - Usage: stores, deletions and evictions are reported through the base class's ``_notify_*``
   helpers (for LMCache's eviction policies and events); :meth:`get_usage` counts every block
   on disk, those found at start-up included. ``capacity_bytes`` bounds each namespace.
+- No ``bypass`` (load or recompute, docs/design.md "Load or recompute"; the storage plug-in
+  and the other adapters have it): a lookup here is no prefix count. LMCache's prefetch
+  controller hands every L2 adapter all of a request's keys, flattened over its key groups,
+  the chunks L1 holds included, and takes back one bit per key; its own load plan then picks
+  the prefix, preferring L1. The keys (``ObjectKey``: model, rank, group, chunk hash) carry no
+  token count or position, so the adapter cannot tell which of its hits the plan would load nor
+  what recomputing them costs; a cap belongs in the controller's plan.
 
 Importing this module imports LMCache; importing ``pykvtier`` never does.
 """

@@ -39,6 +39,16 @@ How it maps onto pykvtier (docs/design.md, "SGLang HiCache"):
   (GIL released) and hands out finished jobs. So a get's disk wait never delays an existence
   check, which the index answers in microseconds. On a ``shared`` root, keys the index does not
   know are probed in one batch of ``statx`` (one io_uring submit) inside ``batch_exists``.
+- ``bypass: auto`` (off by default; docs/design.md "Load or recompute"): ``batch_exists``
+  answers at most the ``k`` of :func:`pykvtier.costmodel.loadable_prefix` of the leading pages
+  it found: their load (``page_bytes`` each, behind the blocks of the loads in flight, at a
+  moving estimate of the finished loads' bandwidth or ``bypass_bytes_per_s`` before the first)
+  against the prefill of their ``page_size`` tokens each on ``tp_size`` GPUs, from the token
+  after the pages SGLang passes as ``extra_info.prefix_keys`` (with
+  ``hicache_storage_pass_prefix_keys``; else the first key is taken at token 0, which counts
+  the attention over the prefix already on the GPU or host as free and leans to recomputing).
+  SGLang then loads those pages and recomputes the rest. The pages answered missing so are
+  counted (``stats()["bypassed_hits"]``, ``["bypassed_requests"]``); ``exists`` is not capped.
 
 Importing this module imports SGLang; importing ``pykvtier`` never does.
 """
@@ -69,6 +79,7 @@ from .. import _native
 from ..buffers import host_arena
 from ..config import DiskTierConfig
 from ..tier import DiskTier, LookupResult
+from .bypass import PrefixBypass, bypass_docs, check_bypass
 from .options import AdapterOptions, open_namespace_tiers, opt
 from .shards import Shards
 
@@ -84,6 +95,7 @@ SGLANG_KEYS = frozenset({
 #: Layouts whose pages are at most two contiguous regions (K, V) of the pool.
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 _ALIGN = 4096
+_BYPASS_DOCS = bypass_docs("pages", "SGLang's tensor-parallel size (`tp_size`)")
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,12 @@ class PyKVTierHiCacheConfig(AdapterOptions):
         64, "pages of the staging arena (layouts or paths without zero copy); a get or set "
             "batch moves them in chunks of a quarter, two chunks in flight (the copies of one "
             "overlap the other's I/O)")
+    bypass: str = opt("off", _BYPASS_DOCS["bypass"].replace(
+        "answer missing", "answer missing in `batch_exists`"))
+    bypass_model: str | None = opt(None, _BYPASS_DOCS["bypass_model"])
+    bypass_gpu: str = opt("h100", _BYPASS_DOCS["bypass_gpu"])
+    bypass_mfu: float = opt(0.5, _BYPASS_DOCS["bypass_mfu"])
+    bypass_bytes_per_s: float | None = opt(None, _BYPASS_DOCS["bypass_bytes_per_s"])
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> PyKVTierHiCacheConfig:
@@ -135,6 +153,7 @@ class PyKVTierHiCacheConfig(AdapterOptions):
             raise self._bad(f"staging_pages must be at least 2, got {self.staging_pages}")
         if self.zero_copy not in ("auto", False):
             raise self._bad(f"zero_copy must be \"auto\" or false, got {self.zero_copy!r}")
+        check_bypass(self)
 
 
 @dataclass
@@ -198,6 +217,12 @@ class PyKVTierHiCache(HiCacheStorage):
         self._counts = {"pages_loaded": 0, "pages_load_failed": 0, "pages_stored": 0,
                         "pages_store_failed": 0, "sets_skipped_not_writer": 0}
         self.registered_pools = {}
+        #: bypass: auto (None when off): the recompute estimate on SGLang's TP GPUs, the
+        #: bandwidth estimate, the counters; guarded by the lock.
+        self._bypass = (PrefixBypass(cfg, int(getattr(storage_config, "tp_size", 1) or 1))
+                        if cfg.bypass == "auto" else None)
+        self.prefill = self._bypass.prefill if self._bypass is not None else None
+        self.bandwidth = self._bypass.bandwidth if self._bypass is not None else None
 
     @property
     def _tiers(self) -> list[DiskTier]:
@@ -341,15 +366,22 @@ class PyKVTierHiCache(HiCacheStorage):
     # ------------------------------------------------------------------ existence
 
     def exists(self, key: str) -> bool:
-        """Whether ``key``'s page is here (all its blocks): ``batch_exists([key]) == 1``."""
-        return self.batch_exists([key]) == 1
+        """Whether ``key``'s page is here (all its blocks); never capped by ``bypass``."""
+        return self._exists([key], None, cap=False) == 1
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """The number of leading ``keys`` whose pages are all here and loadable, as SGLang's
         ``HiCacheStorage.batch_exists`` (a prefix count, not a list). From the index: never
         waits on the disk for keys it knows; on a ``shared`` root the others are probed in one
-        batch (one io_uring submit of ``statx``) and waited for. Any thread."""
+        batch (one io_uring submit of ``statx``) and waited for. Any thread.
+
+        With ``bypass: auto`` at most the pages that load faster than they recompute
+        (:meth:`_cap`): SGLang loads that prefix and recomputes the rest."""
+        return self._exists(keys, extra_info, cap=True)
+
+    def _exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None,
+                cap: bool) -> int:
         bkeys = self._block_keys(keys)
         if not keys or not self._tiers:
             return 0
@@ -360,18 +392,41 @@ class PyKVTierHiCache(HiCacheStorage):
             answers = self._shards.lookup(bkeys)
             if LookupResult.RETRY in answers and any(t.config.shared for t in self._tiers):
                 answers = self._shards.settle(bkeys, answers)  # (a key still RETRY: absent)
-        ok = [a is LookupResult.HIT or a is LookupResult.HIT_PENDING for a in answers]
-        for i in range(len(keys)):
-            if not all(ok[i * per:(i + 1) * per]):
-                return i
-        return len(keys)
+            ok = [a is LookupResult.HIT or a is LookupResult.HIT_PENDING for a in answers]
+            n = next((i for i in range(len(keys)) if not all(ok[i * per:(i + 1) * per])),
+                     len(keys))
+            if cap and self._bypass is not None and n:
+                n = self._cap(n, extra_info)
+        return n
+
+    def _cap(self, hits: int, extra_info: HiCacheStorageExtraInfo | None) -> int:
+        """bypass: auto, holding the lock: of ``hits`` leading pages, the ``k`` of
+        ``loadable_prefix``: ``page_bytes`` a page, ``page_size`` tokens a page from the token
+        after ``extra_info.prefix_keys`` (0 without them), behind the blocks of the loads in
+        flight (``Shards.loading_blocks``)."""
+        geo, ps = self._geometry, int(self._pool.page_size)
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        start = len(prefix) * ps if prefix else 0
+        queued = self._shards.loading_blocks() * geo.block_bytes
+        return self._bypass.cap(hits, geo.page_bytes, ps, start, queued)
+
+    def _measured(self, call: Any) -> None:
+        """A load's jobs finished: to the bandwidth estimate (bypass: auto)."""
+        if self._bypass is not None:
+            with self._cv:
+                self._bypass.measured(call.results)
 
     # ------------------------------------------------------------------ jobs
 
     def _run(self, bkeys: list[bytes], slots: list[int], is_load: bool) -> dict[bytes, bool]:
         """Moves blocks ``bkeys`` to/from arena ``slots`` and waits (without the lock) for the
-        result: block key -> success (all False once closing)."""
-        return self._shards.wait(self._shards.submit(bkeys, slots, is_load))
+        result: block key -> success (all False once closing). A load feeds the bandwidth
+        estimate (bypass: auto)."""
+        call = self._shards.submit(bkeys, slots, is_load)
+        ok = self._shards.wait(call)
+        if is_load:
+            self._measured(call)
+        return ok
 
     def _host_pages(self, host_indices: Any, n: int) -> np.ndarray:
         """The first token slot of each of the ``n`` pages of ``host_indices`` (a 1-D integer
@@ -460,6 +515,8 @@ class PyKVTierHiCache(HiCacheStorage):
                 first, slots, handle = pending.pop(0)
                 try:
                     ok = self._shards.wait(handle)
+                    if is_load:
+                        self._measured(handle)
                     for j, (k, s) in enumerate(zip(handle.keys, slots)):
                         if ok[k] and is_load:
                             drain(first + j, s)
@@ -635,12 +692,20 @@ class PyKVTierHiCache(HiCacheStorage):
 
     def stats(self) -> dict[str, int]:
         """The tiers' counters summed over the roots (``DiskTier.stats()`` keys, as the vLLM
-        adapter's metrics), plus the backend's page counts."""
+        adapter's metrics), plus the backend's page counts and the bypass counters (the vLLM
+        adapter's names): ``bypassed_hits`` (pages here that ``batch_exists`` answered missing,
+        their load slower than their recompute), ``bypassed_requests`` (its calls that did);
+        0 with ``bypass: off``. SGLang's ``get_stats()`` (``StorageMetrics``) has fixed fields
+        and carries none of them."""
         with self._cv:
             total: dict[str, int] = dict(self._counts)
             for t in self._tiers:
                 for k, v in t.stats().items():
                     total[k] = total.get(k, 0) + v
+            if self._bypass is not None:
+                total.update(self._bypass.stats())
+            else:
+                total.update(bypassed_hits=0, bypassed_requests=0)
         return total
 
     def clear(self) -> None:

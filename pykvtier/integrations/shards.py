@@ -198,6 +198,11 @@ class Shards:
         """No job in flight (call holding ``cv``)."""
         return not any(self._inflight)
 
+    def loading_blocks(self) -> int:
+        """Blocks of the load jobs in flight: submitted, their results not yet handed out by a
+        collector (call holding ``cv``). The queue ahead of a new load (``bypass: auto``)."""
+        return sum(len(call.sent[jid]) for jid, call in self._calls.items() if call.is_load)
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Holding ``cv``, once no job is in flight; new submits wait until the block ends (an
