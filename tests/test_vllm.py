@@ -1204,7 +1204,8 @@ def test_bypass_through_vllms_manager(root, stack):
     ({"bypass": "auto", "bypass_model": "gpt-5"}, "bypass_model: unknown model preset 'gpt-5'"),
     ({"bypass_gpu": "v100"}, "bypass_gpu: unknown GPU preset 'v100'"),
     ({"bypass_mfu": 0}, r"bypass_mfu must be a number in \(0, 1\], got 0"),
-    ({"bypass_bytes_per_s": -1}, "bypass_bytes_per_s must be a positive number"),
+    ({"bypass_bytes_per_s": -1}, "bypass_bytes_per_s must be null or a positive number"),
+    ({"bypass_bytes_per_s": float("inf")}, "bypass_bytes_per_s must be null or a positive number"),
 ])
 def test_bad_bypass_config(root, bad, match):
     with pytest.raises(ValueError, match=match):

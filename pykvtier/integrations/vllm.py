@@ -75,13 +75,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .. import __version__, _native
 from ..config import DiskTierConfig, check_verify
-from ..costmodel import BandwidthEstimate, PrefillModel, get_gpu, loadable_prefix
+from ..costmodel import BandwidthEstimate, PrefillModel, loadable_prefix
 from ..models import get_preset
 from ..layout import RootLockedError, check_file_mode, key_digest, make_namespace_dir
 from ..tier import DiskTier
 from ..tier import JobResult as TierJobResult
 from ..tier import LookupResult as TierLookupResult
 from ..tier import TransferJob as TierTransferJob
+from .bypass import check_bypass
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -365,29 +366,11 @@ class PyKVTierConfig:
             check_verify(self.verify)
         except ValueError as exc:
             raise ValueError(f"PyKVTier: {exc}") from None
-        self._check_bypass()
+        check_bypass(self)
 
-    def _check_bypass(self) -> None:
-        if self.bypass not in ("off", "auto"):
-            raise ValueError(f"PyKVTier: bypass must be \"off\" or \"auto\", got {self.bypass!r}")
-        try:
-            get_gpu(self.bypass_gpu)
-        except ValueError as exc:
-            raise ValueError(f"PyKVTier: bypass_gpu: {exc}") from None
-        m = self.bypass_mfu
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
-            raise ValueError(f"PyKVTier: bypass_mfu must be a number in (0, 1], got {m!r}")
-        if self.bypass_bytes_per_s is not None:
-            _check_number("bypass_bytes_per_s", self.bypass_bytes_per_s, float)
-        if self.bypass_model is None:
-            if self.bypass == "auto":
-                raise ValueError("PyKVTier: bypass: auto needs bypass_model, the model preset of "
-                                 "the recompute estimate (llama-3-8b, qwen2.5-7b, llama-3-70b)")
-            return
-        try:
-            PrefillModel(get_preset(self.bypass_model), self.bypass_gpu, float(m))
-        except ValueError as exc:
-            raise ValueError(f"PyKVTier: bypass_model: {exc}") from None
+    def _bad(self, what: str) -> ValueError:
+        """The ValueError of a bad option (for :func:`~pykvtier.integrations.bypass.check_bypass`)."""
+        return ValueError(f"PyKVTier: {what}")
 
     def disk_tier_options(self) -> dict[str, Any]:
         """The DiskTier keywords every root's tier gets (capacity split over the roots)."""
