@@ -202,7 +202,7 @@ _MEMBER = textwrap.dedent("""
 def test_a_killed_member_is_dropped_and_the_evictor_role_moves_on(tmp_path, arena):
     root = str(tmp_path / "root")
     os.makedirs(root)
-    proc = subprocess.Popen([sys.executable, "-c", _MEMBER, root, str(BS), str(8 * FB)],
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _MEMBER, root, str(BS), str(8 * FB)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         dead_id = proc.stdout.readline().strip()

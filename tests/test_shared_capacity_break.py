@@ -146,7 +146,7 @@ def test_a_child_forked_after_open_does_not_keep_a_dead_members_locks(tmp_path, 
     does."""
     root = str(tmp_path / "root")
     os.makedirs(root)
-    proc = subprocess.Popen([sys.executable, "-c", _FORKING_MEMBER, root, str(BS), str(8 * FB)],
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _FORKING_MEMBER, root, str(BS), str(8 * FB)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     child = None
     try:
@@ -239,7 +239,7 @@ def test_a_foreign_entry_under_shared_neither_hangs_nor_stops_the_root(tmp_path,
         path.symlink_to(tmp_path / "elsewhere")
         (tmp_path / "elsewhere").write_bytes(b"x")
     try:
-        run = subprocess.run([sys.executable, "-c", _TWO_MEMBERS, str(root), str(BS), str(FB)],
+        run = subprocess.run([sys.executable, "-P", "-c", _TWO_MEMBERS, str(root), str(BS), str(FB)],
                              capture_output=True, text=True, timeout=20)
     except subprocess.TimeoutExpired:
         pytest.fail("the two members did not finish within 20 s (a keeper thread blocked?)")
@@ -273,7 +273,7 @@ def test_a_dead_member_is_dropped_beside_foreign_lock_entries(tmp_path, manual):
     members.mkdir(parents=True)
     (members / "foreign-dir.lock").mkdir()
     (members / "foreign-link.lock").symlink_to(tmp_path / "nowhere")
-    proc = subprocess.Popen([sys.executable, "-c", _MEMBER, str(root), str(BS), str(8 * FB)],
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _MEMBER, str(root), str(BS), str(8 * FB)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         dead_id = proc.stdout.readline().strip()
