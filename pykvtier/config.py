@@ -81,6 +81,11 @@ class DiskTierConfig:
     queue_depth: int = _opt(64, "block requests in flight in the engine, 1 .. 4096")
     max_inflight_bytes: int = _opt(256 << 20, "payload bytes in flight in the engine",
                                    "256 MiB")
+    store_share: float = _opt(
+        0.5, "share of the engine's `queue_depth` and `max_inflight_bytes` that stores (and "
+             "unlinks) may hold, in (0, 1]: loads are issued first, but wait at the device behind "
+             "the stores already issued; less cuts load latency under a store burst and store "
+             "GB/s with it (BENCHMARKS.md, \"Loads behind stores\")")
     probe_ttl_s: float = _opt(1.0, "seconds a probe's \"not found\" stays a MISS (`shared`)")
     fsync: bool = _opt(
         False, "durable stores: each block file fdatasync'ed before its rename, each directory "
@@ -137,6 +142,12 @@ class DiskTierConfig:
             raise ValueError(f"max_inflight_bytes must be at most 2**48 = {MAX_INFLIGHT_BYTES}, "
                              f"got {mib}")
         set_("max_inflight_bytes", mib)
+        share = self.store_share
+        if isinstance(share, bool) or not isinstance(share, numbers.Real):
+            raise TypeError(f"store_share must be a number in (0, 1], not {type(share).__name__}")
+        if not 0 < float(share) <= 1:  # (also NaN)
+            raise ValueError(f"store_share must be in (0, 1], got {float(share)}")
+        set_("store_share", float(share))
         ttl = self.probe_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
             raise TypeError(f"probe_ttl_s must be a number of seconds, not {type(ttl).__name__}")

@@ -210,6 +210,7 @@ class ReplayConfig:
     root: str | None = None  # None: a temporary directory, removed at the end
     engine: str = "auto"
     recycle: bool = True  # stores at capacity take over the evicted files (DiskTier(recycle=))
+    store_share: float = 0.5  # DiskTier(store_share=): the share of the engine stores may hold
     progress: bool = True
     arena_bytes: int | None = None  # None: auto (see _arena_slots)
     #: None: back to back, each request's load waited for before the next (as fast as
@@ -297,6 +298,7 @@ class ReplaySummary:
     # the KV moved: the first moved_per_trace_block of each trace block's engine blocks
     blocks_per_trace_block: int = 0
     moved_per_trace_block: int = 0
+    store_share: float | None = None  # DiskTier(store_share=) (None: not a DiskTier of the replay's)
     # what the hits were worth (pykvtier.costmodel; see format_summary and --help)
     gpu: str | None = None
     mfu: float | None = None
@@ -600,10 +602,11 @@ def _rusage_cpu() -> float:
 
 
 def _default_tier_factory(root: str, block_size: int, capacity: int | None, engine: str,
-                          recycle: bool = True):
+                          recycle: bool = True, store_share: float = 0.5):
     from . import DiskTier
 
-    return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine, recycle=recycle)
+    return DiskTier(root, block_size, capacity_bytes=capacity, engine=engine, recycle=recycle,
+                    store_share=store_share)
 
 
 @dataclass
@@ -1366,6 +1369,7 @@ def _summarize(driver: ReplayDriver, config: ReplayConfig, model: str, trace_nam
         mfu=None if worth is None else config.mfu,
         disk_gbps=config.disk_gbps,
         bypass=config.bypass,
+        store_share=config.store_share if config.tier == "pykvtier" else None,
         **figures,
     )
     summary.timeline = _timeline(driver, series)
@@ -1579,7 +1583,8 @@ def _tier_factory(config: ReplayConfig) -> Callable[[str, int, int | None, str],
             return replay_tiers.vllm_fs_tier_factory(config)
         except replay_tiers.TierUnavailableError as exc:
             raise ReplayConfigError(str(exc)) from None
-    return lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle)
+    return lambda r, b, c, e: _default_tier_factory(r, b, c, e, config.recycle,
+                                                    config.store_share)
 
 
 # --------------------------------------------------------------------------------------
@@ -2330,6 +2335,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _share_arg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return v
+
+
 def _gpu_names() -> str:
     from . import costmodel
 
@@ -2407,6 +2422,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recycle", action="store_true",
                         help="evict by unlinking files and create a new one per store (DiskTier(recycle=False));"
                         " default: stores at capacity take over the evicted files")
+    parser.add_argument("--store-share", metavar="F", type=_share_arg, default=0.5,
+                        help="share of the engine's queue depth and in-flight bytes the tier's stores "
+                        "may hold, in (0, 1] (DiskTier(store_share=); default 0.5): loads wait at the "
+                        "device behind the stores already issued, so less cuts load latency during "
+                        "store bursts, and store GB/s with it")
     parser.add_argument(
         "--nodes", metavar="ROOT_A,ROOT_B[,...]", default=None,
         help="the replay across nodes: each ROOT is one node's mount of one shared directory (two "
@@ -2427,7 +2447,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tier", choices=TIER_KINDS, default="pykvtier",
         help="the tier replayed: pykvtier (its DiskTier; default) or vllm-fs: vLLM's own fs tier "
         "(FileSystemTierManager of vLLM 0.33, where vLLM is installed: pykvtier.replay_tiers), "
-        "the same trace, driver and checks; --engine, --no-recycle and --nodes are pykvtier's")
+        "the same trace, driver and checks; --engine, --no-recycle, --store-share and --nodes are "
+        "pykvtier's")
     parser.add_argument(
         "--speed", metavar="X", type=_positive_float, default=DEFAULT_SPEED,
         help="requests arrive at their trace timestamps compressed X times (trace seconds per "
@@ -2496,6 +2517,7 @@ def run(args: argparse.Namespace) -> int:
         root=args.root,
         engine=args.engine,
         recycle=not args.no_recycle,
+        store_share=args.store_share,
         progress=not (args.no_progress or args.json),
         arena_bytes=args.arena,
         speed=None if args.as_fast_as_possible else args.speed,

@@ -270,6 +270,10 @@ class DiskTier:
             fallback is logged and counted in ``stats()["direct_fallbacks"]``.
         queue_depth: block requests in flight in the engine.
         max_inflight_bytes: payload bytes in flight in the engine.
+        store_share: the share, in (0, 1], of ``queue_depth`` and ``max_inflight_bytes`` that
+            stores and unlinks may hold (the posix engine: of its threads). Loads are issued
+            before queued stores but wait at the device behind the stores already issued: a
+            smaller share cuts load latency during store bursts, and store bandwidth with it.
         probe_ttl_s: seconds (a number >= 0) a probe's "not found" stays a MISS before it is
             probed again.
         fsync: durable stores: each block file is fdatasync'ed before it is renamed into place,
@@ -367,7 +371,8 @@ class DiskTier:
         self._submit_options = _native.SubmitOptions(  # every block job's, checked once
             direct=self.direct, align=self.align, mem_align=self.mem_align, fsync=self.fsync,
             file_mode=self.file_mode, verify=self.verify)
-        self._host_engine = make_host_engine(cfg.engine, cfg.queue_depth, cfg.max_inflight_bytes)
+        self._host_engine = make_host_engine(cfg.engine, cfg.queue_depth, cfg.max_inflight_bytes,
+                                             cfg.store_share)
         self._probe = ExistenceProbe(entries=_PROBE_RING_ENTRIES) if cfg.shared else None
         self._init_state(cfg)
         if cfg.shared:

@@ -129,3 +129,37 @@ def test_verify_header_skips_the_payload_checksum(root, make_tier, arena):
     (r,) = tier.get_finished_jobs()
     assert not r.success and "checksum" in r.failed_keys[b"p"]
     assert tier.stats()["verify_failures"] == 1 and tier.stats()["loads_unchecked_payload"] == 1
+
+
+def test_store_share_reaches_the_host_engine_and_is_checked(root, arena, monkeypatch):
+    """store_share goes to the host engine (the share of its ring stores may hold); a tier whose
+    stores hold one slot of 64 stores and loads byte-exact; bad values are named."""
+    import pykvtier.tier as tier_module
+
+    built = []
+    real = tier_module.make_host_engine
+
+    def recording(*args):
+        built.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(tier_module, "make_host_engine", recording)
+    a = arena(8, BS)
+    a[:] = np.random.default_rng(5).integers(0, 256, a.shape, dtype=np.uint8)
+    src = a[:4].copy()
+    with DiskTier(root, BS, store_share=1 / 64, arena=a) as tier:
+        assert built == [("auto", 64, 256 << 20, 1 / 64)] and tier.config.store_share == 1 / 64
+        tier.submit_store(TransferJob(1, [b"s%d" % i for i in range(4)], [0, 1, 2, 3]))
+        tier.drain()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        tier.submit_load(TransferJob(2, [b"s%d" % i for i in range(4)], [4, 5, 6, 7]))
+        tier.drain()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        assert np.array_equal(a[4:], src)
+    with DiskTier(root, BS) as tier:
+        assert built[-1] == ("auto", 64, 256 << 20, 0.5) and tier.config.store_share == 0.5
+    for bad in (0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"store_share must be in \(0, 1\], got"):
+            DiskTierConfig(root, BS, store_share=bad)
+    with pytest.raises(TypeError, match=r"store_share must be a number in \(0, 1\], not str"):
+        DiskTierConfig(root, BS, store_share="0.5")

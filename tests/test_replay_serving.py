@@ -388,14 +388,17 @@ def test_cli_options(tmp_path, capsys):
     base = ["replay", trace, "--model", "tiny", "--tokens-per-block", str(TINY_TPB), "--capacity", "none",
             "--max-requests", "all", "--no-progress"]
     assert cli.main([*base, "--speed", "2", "--step-ms", "5", "--gpu", "a100", "--mfu", "0.4",
-                     "--bypass", "auto", "--disk-gbps", "7", "--json"]) == 0
+                     "--bypass", "auto", "--disk-gbps", "7", "--store-share", "0.125", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["speed"], d["step_ms"], d["gpu"], d["mfu"], d["bypass"], d["disk_gbps"]) == \
         (2.0, 5.0, "a100", 0.4, "auto", 7.0)
+    assert d["store_share"] == 0.125 and d["tier_stats"]["blocks_stored"] > 0
     assert d["ok"] and d["ttft_ms_no_bypass_p50"] is not None
     assert d["wall_s"] >= d["setup_s"] + d["run_s"] + d["cleanup_s"] > 0
     for bad, needle in ((["--speed", "0"], "--speed"), (["--gpu", "gtx1080"], "gtx1080"),
-                        (["--bypass", "yes"], "--bypass"), (["--disk-gbps", "-1"], "--disk-gbps")):
+                        (["--bypass", "yes"], "--bypass"), (["--disk-gbps", "-1"], "--disk-gbps"),
+                        (["--store-share", "0"], "--store-share"),
+                        (["--store-share", "1.5"], "--store-share")):
         try:
             rc = cli.main([*base, *bad])
         except SystemExit as exc:  # argparse's usage error

@@ -33,18 +33,23 @@ def as_op(op: Any) -> Any:
     raise TypeError(f"op must be a pykvtier._native.Op (e.g. Op.READ_BLOCK), not {what}")
 
 
-def make_host_engine(name: str, queue_depth: int, max_inflight_bytes: int) -> Any:
+def make_host_engine(name: str, queue_depth: int, max_inflight_bytes: int,
+                     store_share: float = 0.5) -> Any:
     """A host engine: ``name`` "uring" (io_uring; ValueError where the kernel refuses it),
-    "posix" (preadv/pwritev thread pool) or "auto" (io_uring, else posix with a WARNING)."""
+    "posix" (preadv/pwritev thread pool) or "auto" (io_uring, else posix with a WARNING);
+    ``store_share``: the share of its slots and bytes (posix: threads) stores may hold."""
     if name == "posix":
-        return _native.PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+        return _native.PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
+                                   store_share=store_share)
     try:
-        return _native.Engine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+        return _native.Engine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
+                              store_share=store_share)
     except ValueError as exc:  # io_uring refused (old kernel, seccomp, io_uring_disabled)
         if name == "uring":
             raise
         logger.warning("pykvtier: %s; using the posix engine (preadv/pwritev thread pool)", exc)
-        return _native.PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes)
+        return _native.PosixEngine(queue_depth=queue_depth, max_inflight_bytes=max_inflight_bytes,
+                                   store_share=store_share)
 
 
 @runtime_checkable
