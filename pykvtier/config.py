@@ -145,8 +145,8 @@ class DiskTierConfig:
         share = self.store_share
         if isinstance(share, bool) or not isinstance(share, numbers.Real):
             raise TypeError(f"store_share must be a number in (0, 1], not {type(share).__name__}")
-        if not 0 < float(share) <= 1:  # (also NaN)
-            raise ValueError(f"store_share must be in (0, 1], got {float(share)}")
+        if not 0 < share <= 1:  # (also NaN; compared as given: float(10**400) would overflow)
+            raise ValueError(f"store_share must be in (0, 1], got {share!r}")
         set_("store_share", float(share))
         ttl = self.probe_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):

@@ -17,6 +17,7 @@ engine.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,32 +51,56 @@ def bypass_docs(what: str, parallel: str) -> dict[str, str]:
     }
 
 
+def _real(v: Any) -> bool:
+    """A real number (int, float, a numpy scalar, Fraction), not a bool."""
+    return not isinstance(v, bool) and isinstance(v, numbers.Real)
+
+
+def _as_float(v: Any) -> float:
+    """``float(v)`` of a real number; an int too large for a float is ``inf`` (not
+    OverflowError)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def check_bypass(opts: Any) -> None:
     """The bypass options of an adapter's options dataclass ``opts`` (its ``_bad`` makes the
-    ValueError, prefixed with the adapter's name): ``bypass`` "off" or "auto"; ``bypass_gpu``
-    a GPU preset; ``bypass_mfu`` in (0, 1]; ``bypass_bytes_per_s`` null or a finite number >
-    0; ``bypass_model`` a model preset with a prefill estimate, required with "auto"."""
-    if opts.bypass not in BYPASS_MODES:
-        raise opts._bad(f"bypass must be \"off\" or \"auto\", got {opts.bypass!r}")
+    ValueError, prefixed with the adapter's name): ``bypass`` "off" or "auto" (false, as YAML
+    1.1 reads a bare ``off``, is "off"); ``bypass_gpu`` a GPU preset; ``bypass_mfu`` a real
+    number in (0, 1]; ``bypass_bytes_per_s`` null or a finite real number > 0 (numpy scalars
+    included; both stored as floats); ``bypass_model`` a model preset with a prefill estimate,
+    required with "auto". ``opts`` may be frozen: the normalized values are set in place."""
+    set_ = object.__setattr__.__get__(opts)
+    if opts.bypass is False:  # LMCache's yaml.safe_load (YAML 1.1) reads `bypass: off` so
+        set_("bypass", "off")
+    if not isinstance(opts.bypass, str) or opts.bypass not in BYPASS_MODES:
+        hint = (" (YAML reads a bare on/yes/true as true: write \"auto\")"
+                if opts.bypass is True else "")
+        raise opts._bad(f"bypass must be \"off\" or \"auto\", got {opts.bypass!r}{hint}")
     try:
         get_gpu(opts.bypass_gpu)
     except ValueError as exc:
         raise opts._bad(f"bypass_gpu: {exc}") from None
     m = opts.bypass_mfu
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
+    if not _real(m) or not 0 < _as_float(m) <= 1:  # (NaN fails the comparison)
         raise opts._bad(f"bypass_mfu must be a number in (0, 1], got {m!r}")
+    set_("bypass_mfu", float(m))
     w = opts.bypass_bytes_per_s
-    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))
-                          or not math.isfinite(w) or w <= 0):
-        raise opts._bad(f"bypass_bytes_per_s must be null or a positive number (bytes/s), "
-                        f"got {w!r}")
+    if w is not None:
+        f = _as_float(w) if _real(w) else math.nan
+        if not (math.isfinite(f) and f > 0):
+            raise opts._bad(f"bypass_bytes_per_s must be null or a positive number (bytes/s), "
+                            f"got {w!r}")
+        set_("bypass_bytes_per_s", f)
     if opts.bypass_model is None:
         if opts.bypass == "auto":
             raise opts._bad("bypass: auto needs bypass_model, the model preset of the "
                             f"recompute estimate ({', '.join(n for n in PRESETS if n != 'tiny')})")
         return
     try:
-        PrefillModel(get_preset(opts.bypass_model), opts.bypass_gpu, float(m))
+        PrefillModel(get_preset(opts.bypass_model), opts.bypass_gpu, opts.bypass_mfu)
     except ValueError as exc:
         raise opts._bad(f"bypass_model: {exc}") from None
 
