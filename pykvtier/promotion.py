@@ -15,7 +15,8 @@ Load or recompute (``bypass="auto"``, off by default; docs/design.md "Load or re
 run of hits, answers MISS from block ``k`` on, ``k`` =
 :func:`pykvtier.costmodel.loadable_prefix` of the tier's measured load bandwidth (a
 :class:`~pykvtier.costmodel.BandwidthEstimate` fed by the promoter's finished loads), the bytes
-queued ahead (blocks asked for or being read, and hits answered this step not yet promoted)
+queued ahead (blocks asked for or being read, and hits answered this step not yet promoted,
+other than the request's own)
 and the blocks' recompute seconds (a :class:`~pykvtier.costmodel.PrefillModel`). The blocks
 answered MISS so are counted (``stats()["bypassed_hits"]``).
 
@@ -123,7 +124,8 @@ class Promoter:
         HIT_PENDING) answers MISS from block ``k`` on: ``k = loadable_prefix(hits,
         tier.block_size_bytes, queued, bandwidth.bytes_per_s, recompute)`` with ``queued`` the
         bytes of the blocks asked for or being read and of the hits answered this step and not
-        promoted yet, ``recompute`` each hit's ``prefill.block_seconds``; no estimate yet: every
+        promoted yet, other than this request's own hits, ``recompute`` each hit's
+        ``prefill.block_seconds``; no estimate yet: every
         hit is loaded. Hits after the run are left as they are (the prefix an engine loads ends
         at the first block that is not a hit). The blocks answered MISS so are counted
         (``bypassed_hits``)."""
@@ -137,7 +139,13 @@ class Promoter:
         k = hits
         if hits and bw:
             block = self.tier.block_size_bytes
-            queued = block * (len(self._landing) + len(self._answered.difference(self._landing)))
+            # Ahead of this request: the blocks being read or answered, less its own (its own
+            # are its load, k * block below; counted twice, a request asked again in the step,
+            # or whose promotion is on its way, answered MISS for the blocks it loads).
+            own = {_as_key(x) for x in keys[:hits]}
+            mine = sum(1 for x in own if x in self._landing or x in self._answered)
+            queued = block * (len(self._landing) + len(self._answered.difference(self._landing))
+                              - mine)
             recompute = self.prefill.blocks_seconds(start_token, self.tokens_per_block, hits)
             k = loadable_prefix(hits, block, queued, bw, recompute)
         for i in range(k, hits):
