@@ -855,8 +855,10 @@ class ReplayDriver:
         self.pattern = BlockPattern(block_size)
         self.counters = ReplayCounters()
         self.records: list[_Req] = []
-        #: (driver clock, load bytes in flight, store bytes in flight), once per step (back to
-        #: back: per request)
+        #: (driver clock, load bytes in flight, store bytes in flight): by arrival time once per
+        #: step and after each wait for jobs between steps and at the end (stores are submitted
+        #: as loads finish, between steps: a sample per step alone misses them); back to back
+        #: once per request
         self.queue_samples: list[tuple[float, int, int]] = []
         self.t0 = math.nan  # the driver clock at the start of the run
         self.progress = progress
@@ -891,6 +893,8 @@ class ReplayDriver:
                 self.serve(requests)
             while self._pending:
                 self.wait_some(1.0)
+                if self.options.speed is not None:
+                    self._sample_queue()
             self.tier.drain()
             self.handle(self.tier.get_finished_jobs())
         finally:
@@ -1067,6 +1071,7 @@ class ReplayDriver:
         """Until the next step: waits for jobs (handled as they finish), or sleeps."""
         if self._pending:
             self.wait_some(min(seconds, 1.0))
+            self._sample_queue()
         else:
             self.options.sleep(seconds)
 
@@ -1378,8 +1383,9 @@ def _summarize(driver: ReplayDriver, config: ReplayConfig, model: str, trace_nam
 
 def _timeline(driver: ReplayDriver, series: list[dict[str, Any]]) -> dict[str, Any]:
     """What --plot draws, against trace time (s from the time origin): per request its hit
-    ratio, measured load time and TTFTs; per step (back to back: per request) the bytes of the
-    loads and of the stores in flight. Not part of the summary's fields (nor its JSON)."""
+    ratio, measured load time and TTFTs; the bytes of the loads and of the stores in flight
+    (ReplayDriver.queue_samples: at each step and each wait for jobs; back to back: per
+    request). Not part of the summary's fields (nor its JSON)."""
     speed = driver.options.speed
     reqs = [r for r in driver.records if not math.isnan(r.sched_t)]
     if speed is None:  # back to back: a sample after each request, at its trace time
@@ -2225,12 +2231,12 @@ def write_plot(s: ReplaySummary, path: str) -> None:
     ax = axes[1]
     load = tl.get("load_ms", [])
     ax.scatter([x for x, _ in load], [y for _, y in load], s=4, color="C2")
-    ax.set_ylabel("load job, ms\n(measured)")
+    ax.set_ylabel("load job, ms\n(measured, KV moved)")
     ax = axes[2]
     q = tl.get("queue", [])
     ax.plot([x for x, _, _ in q], [lb / 2**20 for _, lb, _ in q], label="loads", color="C2")
     ax.plot([x for x, _, _ in q], [sb / 2**20 for _, _, sb in q], label="stores", color="C3", alpha=0.7)
-    ax.set_ylabel("in flight, MiB")
+    ax.set_ylabel("in flight, MiB\n(KV moved)")
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[3]
     tt = tl.get("ttft", [])
