@@ -2167,7 +2167,7 @@ def format_summary(s: ReplaySummary) -> str:
         f"(KV of the tokens hit: {format_bytes(s.hit_kv_bytes)} of {format_bytes(s.prompt_kv_bytes)})",
         f"  loaded      {format_bytes(s.bytes_loaded)} in {_plural(s.load_jobs, 'job')}"
         f" ({_plural(s.blocks_loaded, 'whole block')}), {s.load_busy_s:.2f} s busy"
-        f" -> {s.load_gbps:.2f} GB/s (GB = 1e9 B); per-request latency p50 {ms(s.load_latency_ms_p50)},"
+        f" -> {_load_gbps(s)} (GB = 1e9 B); per-request latency p50 {ms(s.load_latency_ms_p50)},"
         f" p99 {ms(s.load_latency_ms_p99)}, max {ms(s.load_latency_ms_max)}",
         f"  stored      {format_bytes(s.bytes_stored)} in {_plural(s.store_jobs, 'job')}"
         f" ({_plural(written, 'whole block')} written), {s.store_busy_s:.2f} s busy"
@@ -2290,6 +2290,11 @@ def _num(v: float) -> str:
     return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
 
 
+def _load_gbps(s: ReplaySummary) -> str:
+    """The measured load GB/s, or n/a when nothing was loaded (every hit bypassed, or none)."""
+    return f"{s.load_gbps:.2f} GB/s" if s.bytes_loaded else "n/a (nothing loaded)"
+
+
 def _gbps(v: float) -> str:
     return f"{v:.2f} GB/s" if v >= 0.1 else f"{v:.3g} GB/s"
 
@@ -2317,7 +2322,7 @@ def _worth_lines(s: ReplaySummary) -> list[str]:
                      f" recomputed instead of loaded; TTFT with every hit loaded: {nb}")
     hits = "" if s.break_even_gbps_hits is None else f", {_gbps(s.break_even_gbps_hits)} for this replay's loaded prefixes"
     lines.append(f"    break-even disk {_gbps(s.break_even_gbps_block0)} for a block at token 0{hits};"
-                 f" this disk's loads here: {s.load_gbps:.2f} GB/s"
+                 f" this disk's loads here: {_load_gbps(s)}"
                  + ("" if s.disk_gbps is None else f" (modeled: {s.disk_gbps:g} GB/s)"))
     return lines
 

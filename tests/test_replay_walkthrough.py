@@ -1,12 +1,13 @@
-"""`pykvtier replay` as a new user meets it: the plot's in-flight panel sees the stores that are
-submitted between scheduler steps. A fake clock drives the schedule: no sleeps, no timing."""
+"""`pykvtier replay` as a new user meets it: the summary says n/a for a load rate with nothing
+loaded, and the plot's in-flight panel sees the stores that are submitted between scheduler
+steps. A fake clock drives the schedule: no sleeps, no timing."""
 
 from __future__ import annotations
 
 import pytest
 
 from pykvtier import models
-from pykvtier.replay import ReplayConfig, run_replay
+from pykvtier.replay import ReplayConfig, format_summary, run_replay
 from pykvtier.trace import Request
 
 pytest.importorskip("pykvtier._native", reason="the native engine is not built")
@@ -36,6 +37,18 @@ def _config(root, **kw):
 
 def _req(ts_ms, ids, input_length=None):
     return Request(ts_ms, 512 * len(ids) if input_length is None else input_length, 1, tuple(ids))
+
+
+def test_nothing_loaded_says_na_for_the_load_rate(tmp_path):
+    """--bypass auto on a modeled disk too slow for every hit: nothing is loaded, and the
+    summary's load rate is n/a, not 0.00 GB/s."""
+    reqs = [_req(0, [1, 2]), _req(1, [1, 2])]
+    s = run_replay(_config(tmp_path / "root", bypass="auto", disk_gbps=1e-6), reqs)
+    assert s.ok, s.error_samples
+    assert (s.blocks_hit, s.blocks_loaded, s.blocks_bypassed) == (2 * SPB, 0, 2 * SPB)
+    text = format_summary(s)
+    assert " 0.00 s busy -> n/a (nothing loaded) (GB = 1e9 B); per-request latency p50 n/a," in text
+    assert "this disk's loads here: n/a (nothing loaded) (modeled: 1e-06 GB/s)" in text
 
 
 def test_the_plots_in_flight_panel_sees_stores_submitted_between_steps(tmp_path):
