@@ -2209,6 +2209,21 @@ def _need_matplotlib() -> Any:
     return plt
 
 
+def _plot_path_problem(path: str) -> str | None:
+    """Why ``--plot PATH`` could not be written (checked before the replay), or None: the plot
+    is a PNG (a ``.png`` name), into a directory that exists and can be written."""
+    if not path.lower().endswith(".png"):
+        return f"the plot is a PNG: give a FILE.png, got {path!r}"
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        return f"no directory {d} to write {path} into"
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    if not os.access(d, os.W_OK | os.X_OK):
+        return f"cannot write into {d}"
+    return None
+
+
 def write_plot(s: ReplaySummary, path: str) -> None:
     """Four panels against trace time (s): the hit ratio (each request's, and the run's so far),
     each request's measured load time, the bytes of the loads and stores in flight, and TTFT
@@ -2347,6 +2362,7 @@ def _positive_float(text: str) -> float:
 
 
 def _share_arg(text: str) -> float:
+    """A number in (0, 1]: --store-share, --mfu."""
     try:
         v = float(text)
     except ValueError:
@@ -2433,7 +2449,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recycle", action="store_true",
                         help="evict by unlinking files and create a new one per store (DiskTier(recycle=False));"
                         " default: stores at capacity take over the evicted files")
-    parser.add_argument("--store-share", metavar="F", type=_share_arg, default=0.5,
+    parser.add_argument("--store-share", metavar="F", type=_share_arg, default=None,
                         help="share of the engine's queue depth and in-flight bytes the tier's stores "
                         "may hold, in (0, 1] (DiskTier(store_share=); default 0.5): loads wait at the "
                         "device behind the stores already issued, so less cuts load latency during "
@@ -2461,7 +2477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the same trace, driver and checks; --engine, --no-recycle, --store-share and --nodes are "
         "pykvtier's")
     parser.add_argument(
-        "--speed", metavar="X", type=_positive_float, default=DEFAULT_SPEED,
+        "--speed", metavar="X", type=_positive_float, default=None,
         help="requests arrive at their trace timestamps compressed X times (trace seconds per "
         f"second; default {DEFAULT_SPEED:g}); a scheduler step every --step-ms batches those that "
         "arrived: their lookups, one load job per request, each request's store once its load "
@@ -2469,7 +2485,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--as-fast-as-possible", action="store_true",
                         help="ignore arrival times: request after request, each load waited for "
                         "before the next request (the replay of earlier releases)")
-    parser.add_argument("--step-ms", metavar="MS", type=_positive_float, default=DEFAULT_STEP_MS,
+    parser.add_argument("--step-ms", metavar="MS", type=_positive_float, default=None,
                         help=f"scheduler step in ms of the replay's time (default {DEFAULT_STEP_MS:g})")
     parser.add_argument(
         "--kv-sample", metavar="SIZE", type=_size_arg, default=parse_size(DEFAULT_KV_SAMPLE),
@@ -2480,7 +2496,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are scaled by full KV / KV moved. 'all' moves every engine block")
     parser.add_argument("--gpu", metavar="NAME", default=DEFAULT_GPU,
                         help=f"GPU of the prefill estimates (default {DEFAULT_GPU}); one of: {_gpu_names()}")
-    parser.add_argument("--mfu", metavar="F", type=_positive_float, default=DEFAULT_MFU,
+    parser.add_argument("--mfu", metavar="F", type=_share_arg, default=DEFAULT_MFU,
                         help=f"model FLOPs utilisation of the prefill estimates, in (0, 1] (default {DEFAULT_MFU:g})")
     parser.add_argument(
         "--bypass", choices=BYPASS_MODES, default="off",
@@ -2513,12 +2529,25 @@ def run(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as exc:
             print(f"pykvtier replay: --max-requests: {exc}", file=sys.stderr)
             return 2
-    try:
-        _models.get_preset(args.model)
-        _models.validate_tokens_per_block(args.tokens_per_block)
-    except ValueError as exc:
-        print(f"pykvtier replay: {exc}", file=sys.stderr)
+    # options that would be silently ignored with the others given
+    if args.as_fast_as_possible and (args.speed is not None or args.step_ms is not None):
+        print("pykvtier replay: --as-fast-as-possible replays back to back, arrival times ignored: "
+              "no --speed or --step-ms with it", file=sys.stderr)
         return 2
+    if args.tier != "pykvtier" and (args.store_share is not None or args.no_recycle):
+        print(f"pykvtier replay: --store-share and --no-recycle set pykvtier's DiskTier: not with "
+              f"--tier {args.tier}", file=sys.stderr)
+        return 2
+    from . import costmodel
+
+    for option, check in (("--model", lambda: _models.get_preset(args.model)),
+                          ("--tokens-per-block", lambda: _models.validate_tokens_per_block(args.tokens_per_block)),
+                          ("--gpu", lambda: costmodel.get_gpu(args.gpu))):
+        try:
+            check()
+        except ValueError as exc:
+            print(f"pykvtier replay: {option}: {exc}", file=sys.stderr)
+            return 2
     config = ReplayConfig(
         trace=args.trace,
         model=args.model,
@@ -2528,11 +2557,11 @@ def run(args: argparse.Namespace) -> int:
         root=args.root,
         engine=args.engine,
         recycle=not args.no_recycle,
-        store_share=args.store_share,
+        store_share=0.5 if args.store_share is None else args.store_share,
         progress=not (args.no_progress or args.json),
         arena_bytes=args.arena,
-        speed=None if args.as_fast_as_possible else args.speed,
-        step_ms=args.step_ms,
+        speed=None if args.as_fast_as_possible else (DEFAULT_SPEED if args.speed is None else args.speed),
+        step_ms=DEFAULT_STEP_MS if args.step_ms is None else args.step_ms,
         kv_sample_bytes=args.kv_sample,
         gpu=args.gpu,
         mfu=args.mfu,
@@ -2546,6 +2575,11 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         return _run_nodes_command(args, config)
+    if args.plot is not None:
+        problem = _plot_path_problem(args.plot)
+        if problem is not None:  # said before the replay, not after it
+            print(f"pykvtier replay: --plot: {problem}", file=sys.stderr)
+            return 2
     try:
         if args.plot is not None:
             _need_matplotlib()
