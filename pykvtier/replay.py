@@ -2275,10 +2275,15 @@ def write_plot(s: ReplaySummary, path: str) -> None:
 
 
 def _seconds(v: float | None) -> str:
-    """``812 ms``, ``6.10 s``."""
+    """``812 ms``, ``6.10 s``; under 10 ms with two significant digits (``0.42 ms``), so that a
+    small model's prefill does not read as 0."""
     if v is None:
         return "n/a"
-    return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
+    if v >= 1:
+        return f"{v:.2f} s"
+    if v * 1e3 >= 10 or v == 0:
+        return f"{v * 1e3:.0f} ms"
+    return f"{v * 1e3:.2g} ms"
 
 
 def _schedule_lines(s: ReplaySummary) -> list[str]:

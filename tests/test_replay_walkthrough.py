@@ -130,3 +130,11 @@ def test_the_plots_in_flight_panel_sees_stores_submitted_between_steps(tmp_path)
     assert (2 * SPB * TINY_BS, 0) in samples  # request 1's step: its load
     assert (0, SPB * TINY_BS) in samples  # after its load: its store, between steps
     assert (0, SPB * TINY_BS) in {(lb, sb) for _, lb, sb in s.timeline["queue"]}
+
+
+def test_sub_millisecond_times_are_not_printed_as_zero():
+    """A tiny model's prefill is well under a millisecond: it printed 'p50 0 ms'."""
+    from pykvtier.replay import _seconds
+
+    assert [_seconds(v) for v in (None, 0.0, 0.00042, 0.0042, 0.01, 0.812, 6.1)] == \
+        ["n/a", "0 ms", "0.42 ms", "4.2 ms", "10 ms", "812 ms", "6.10 s"]
