@@ -29,11 +29,12 @@ How it maps onto pykvtier:
   itself and treats anything else as a miss.
 - ``bypass: auto`` (off by default): a request's hits answer MISS from the block where loading
   them stops paying off (:func:`pykvtier.costmodel.loadable_prefix`; docs/design.md "Load or
-  recompute"). vLLM asks a tier one key at a time, with the request's ``ReqContext`` (the same
-  object for all its lookups, every step) and each key's end-token position in it
-  (``get_offload_key_position``), and starts a promotion on every HIT, so the tier cannot see
-  how many hits follow when it answers the first. If the first hit alone is worth loading, all
-  are (recompute grows along the prompt) and the adapter answers HIT at once; else it answers
+  recompute"). vLLM asks a tier one key at a time (in prompt order, or from the end for a
+  sliding-window group), with the request's ``ReqContext`` (the same object for all its
+  lookups, every step) and each key's end-token position in it (``get_offload_key_position``),
+  and starts a promotion on every HIT, so the tier cannot see which hits follow when it answers
+  the first. If a block would load in time for the prompt's first block, every block is worth
+  loading (recompute grows along the prompt) and the adapter answers HIT at once; else it answers
   RETRY for the request's hits that step (vLLM keeps scanning on RETRY and starts no
   promotion), counting them, and decides on the request's next lookup with the count: HIT up to
   block k, MISS past it (kept in the ``ReqContext``'s state for the request's later steps).
@@ -557,6 +558,8 @@ class PyKVTier(SecondaryTierManager):
         self.prefill = PrefillModel(get_preset(cfg.bypass_model), cfg.bypass_gpu, cfg.bypass_mfu,
                                     gpus=int(tp))
         self.tokens_per_key = int(spec.tokens_per_block[0]) * int(spec.blocks_per_chunk)
+        # the cheapest key to recompute: the prompt's first (recompute grows along the prompt)
+        self._first_key_s = self.prefill.block_seconds(0, self.tokens_per_key)
         self.bandwidth = BandwidthEstimate(cfg.bypass_bytes_per_s)
 
     def _open_roots(self, cfg: PyKVTierConfig, spec: OffloadingSpec, view: memoryview) -> None:
@@ -642,10 +645,12 @@ class PyKVTier(SecondaryTierManager):
         ReqContext):
 
         - decided: a HIT past the cutoff position answers MISS;
-        - its first HIT: no bandwidth estimate yet, or the block alone loads in time
-          (``loadable_prefix(1, ...) == 1``, the bytes queued = this tier's load jobs in flight
-          and this step's HITs): HIT, and every later one (no cutoff); else RETRY, and this
-          step's HITs of the request are counted (RETRY each);
+        - its first HIT: no bandwidth estimate yet, or a block loads in time for the prompt's
+          first block, the cheapest to recompute (``loadable_prefix(1, ...) == 1``, the bytes
+          queued = this tier's load jobs in flight and this step's HITs): then every block pays
+          off whatever its position and whichever order vLLM asks in (its sliding-window lookup
+          scans from the end): HIT, and every later one (no cutoff); else RETRY, and this step's
+          HITs of the request are counted (RETRY each);
         - its first lookup in a later step decides: ``k = loadable_prefix(counted hits, ...)``
           on the counted blocks' recompute seconds, cutoff = the k-th counted block's end
           (none when k is all of them), ``bypassed_hits += hits - k``.
@@ -678,7 +683,7 @@ class PyKVTier(SecondaryTierManager):
             return LookupResult.RETRY
         bw = self.bandwidth.bytes_per_s
         if not bw or loadable_prefix(1, self.block_size_bytes, self._queued_bytes(), bw,
-                                     [self._recompute_seconds(end)]) == 1:
+                                     [self._first_key_s]) == 1:
             st.cutoff = math.inf  # (recompute grows along the prompt: all the hits load)
             self._step_hits += 1
             return plain

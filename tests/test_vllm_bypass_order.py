@@ -1,0 +1,137 @@
+"""bypass: auto in the vLLM adapter, corner cases found by a breaking review: the decision does
+not depend on the order vLLM looks keys up in (its sliding-window lookup scans a request's keys
+from the end). Driven through vLLM's own classes (its scheduler's lookup loops, ReqContext,
+ScheduleEndContext, a tier made by SecondaryTierFactory); exact values, no sleeps, no timing
+asserts."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+except Exception as exc:  # noqa: BLE001 - any import failure means: no usable vLLM here
+    pytest.skip(f"vLLM's kv_offload.tiering is not importable ({type(exc).__name__}: {exc})",
+                allow_module_level=True)
+
+from pykvtier.layout import key_digest  # noqa: E402
+from test_vllm import (  # noqa: E402
+    BLOCK, HIT, MISS, RETRY, _r, fill, job, make_tier, run, tier_config)  # noqa: F401
+
+STATS = ("bypassed_hits", "bypassed_requests", "bypass_deferrals")
+
+
+def end_step(tier, preempted=()) -> None:
+    tier.on_schedule_end(ScheduleEndContext((), tuple(preempted)))
+
+
+def counters(tier) -> tuple[int, int, int]:
+    st = tier.stats()
+    return tuple(st[k] for k in STATS)
+
+
+def gkey(i: int, group: int, tag: bytes = b"o") -> bytes:
+    """group's OffloadKey of the request's i-th block, as vLLM makes it (block hash + group)."""
+    return make_offload_key(key_digest(b"%s-%d" % (tag, i)) * 2, group)
+
+
+def store(tier, arr, keys) -> None:
+    fill(arr, keys, range(len(keys)))
+    assert all(r.success for r in run(tier, job(1, keys, range(len(keys)), False)).values())
+
+
+class Answers:
+    """A stand-in for vLLM's OffloadingManager in its scheduler's lookup loops: the tier's
+    answers (HIT/MISS/RETRY, what vLLM's tiering manager gets from it), recorded per key."""
+
+    def __init__(self, tier):
+        self.tier = tier
+        self.got: dict[bytes, object] = {}
+        self.order: list[bytes] = []
+
+    def lookup(self, k, ctx):
+        r = self.tier.lookup(k, ctx)
+        self.got[k] = r
+        self.order.append(k)
+        return r
+
+
+def scheduler(answers: Answers):
+    """The object vLLM's OffloadingConnectorScheduler lookup loops read: .manager, and the
+    events tracker _maximal_prefix_lookup records hits in."""
+    return types.SimpleNamespace(
+        manager=answers,
+        _events_tracker=types.SimpleNamespace(record_lookup=lambda *a, **kw: None))
+
+
+def prefix_lookup(answers, keys, ctx):
+    """vLLM's full-attention lookup: keys in prompt order, stop at the first MISS."""
+    return OffloadingConnectorScheduler._maximal_prefix_lookup(
+        scheduler(answers), keys, ctx, None, None, 0)
+
+
+def window_lookup(answers, keys, ctx, window):
+    """vLLM's sliding-window lookup: keys from the END backwards."""
+    return OffloadingConnectorScheduler._sliding_window_lookup(
+        scheduler(answers), keys, window, ctx)
+
+
+# ------------------------------------------------------------------ 1. lookup order
+
+# 4 keys at chunks 0..3. A load of BLOCK bytes takes L, between r[0] and r[3]: the last key
+# alone pays off (L <= r[3]), the first does not, and no prefix does (k L > r[0] + .. + r[k-1]
+# for k = 1..4): the right answer is MISS for all 4, whichever order vLLM asks in.
+_L = 0.25 * _r(0) + 0.75 * _r(3)
+assert _L <= _r(3) and all(k * _L > sum(_r(j) for j in range(k)) for k in range(1, 5))
+
+
+@pytest.mark.parametrize("order", ["prefix", "sliding_window"])
+def test_the_decision_does_not_depend_on_the_lookup_order(root, make_tier, order):
+    """vLLM 0.33's _sliding_window_lookup asks `for idx in range(len(keys) - 1, -1, -1)`: the
+    tier saw the highest-position (most expensive) key first, its 'first hit alone pays off'
+    shortcut passed, and the 4 keys answered HIT (promoted, loaded, slower than recomputing)
+    without being counted; asked in prompt order the same keys were counted and bypassed. Now
+    both orders: RETRY for a step (counted, 1 deferral), then MISS for the 4 (bypassed)."""
+    cfg = tier_config(root, bypass="auto", bypass_model="llama-3-8b", bypass_gpu="h100",
+                      bypass_mfu=0.5, bypass_bytes_per_s=BLOCK / _L)
+    tier, arr = make_tier(cfg, num_chunks=32)
+    keys = [gkey(j, 0) for j in range(4)]
+    store(tier, arr, keys)
+    ctx = ReqContext("r")
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (j + 1))
+    ask = (lambda a: prefix_lookup(a, keys, ctx)) if order == "prefix" else \
+        (lambda a: window_lookup(a, keys, ctx, 4))
+    a = Answers(tier)
+    assert ask(a) is None  # deferred: vLLM asks again next step
+    assert a.got == dict.fromkeys(keys, RETRY)
+    assert counters(tier) == (0, 0, 1)
+    end_step(tier)
+    a = Answers(tier)
+    assert ask(a) == 0
+    # prefix order stops at the first MISS; the window scan goes through every key
+    assert a.got == ({keys[0]: MISS} if order == "prefix" else dict.fromkeys(keys, MISS))
+    assert counters(tier) == (4, 1, 1)
+    assert tier.stats()["loads_submitted"] == 0
+
+
+def test_a_fast_tier_still_hits_at_once_from_the_end(root, make_tier):
+    """1e9 B/s (32.8 us a key against r[0] = 451.6 us): the shortcut holds for the prompt's
+    first block, so for every block: HIT at once, in either order, nothing deferred."""
+    cfg = tier_config(root, bypass="auto", bypass_model="llama-3-8b", bypass_gpu="h100",
+                      bypass_mfu=0.5, bypass_bytes_per_s=1e9)
+    tier, arr = make_tier(cfg, num_chunks=32)
+    keys = [gkey(j, 0) for j in range(4)]
+    store(tier, arr, keys)
+    ctx = ReqContext("r")
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (j + 1))
+    a = Answers(tier)
+    assert window_lookup(a, keys, ctx, 4) == 4
+    assert a.order == keys[::-1] and a.got == dict.fromkeys(keys, HIT)
+    assert counters(tier) == (0, 0, 0)
