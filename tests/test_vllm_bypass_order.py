@@ -1,12 +1,13 @@
 """bypass: auto in the vLLM adapter, corner cases found by a breaking review: the decision does
 not depend on the order vLLM looks keys up in (its sliding-window lookup scans a request's keys
-from the end). Driven through vLLM's own classes (its scheduler's lookup loops, ReqContext,
-ScheduleEndContext, a tier made by SecondaryTierFactory); exact values, no sleeps, no timing
-asserts."""
+from the end), and counts every KV-cache group's key at a position. Driven through vLLM's own
+classes (its scheduler's lookup loops, ReqContext, ScheduleEndContext, a tier made by
+SecondaryTierFactory); exact values, no sleeps, no timing asserts."""
 
 from __future__ import annotations
 
 import types
+import uuid
 
 import pytest
 
@@ -15,13 +16,23 @@ try:
         OffloadingConnectorScheduler,
     )
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 except Exception as exc:  # noqa: BLE001 - any import failure means: no usable vLLM here
     pytest.skip(f"vLLM's kv_offload.tiering is not importable ({type(exc).__name__}: {exc})",
                 allow_module_level=True)
 
 from pykvtier.layout import key_digest  # noqa: E402
 from test_vllm import (  # noqa: E402
-    BLOCK, HIT, MISS, RETRY, _r, fill, job, make_tier, run, tier_config)  # noqa: F401
+    BLOCK, HIT, MISS, RETRY, _r, aligned_rows, fill, job, make_tier, offloading_config,  # noqa: F401
+    run, tier_config)
 
 STATS = ("bypassed_hits", "bypassed_requests", "bypass_deferrals")
 
@@ -135,3 +146,76 @@ def test_a_fast_tier_still_hits_at_once_from_the_end(root, make_tier):
     assert window_lookup(a, keys, ctx, 4) == 4
     assert a.order == keys[::-1] and a.got == dict.fromkeys(keys, HIT)
     assert counters(tier) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ 2. several KV-cache groups
+
+
+def two_group_tier(root, bytes_per_s, num_chunks=32):
+    """A tier over a spec of two full-attention KV-cache groups (vLLM's keys: the same block
+    hash, group 0 and group 1, at the same end-token position), one BLOCK row per key."""
+    cfg = tier_config(root, bypass="auto", bypass_model="llama-3-8b", bypass_gpu="h100",
+                      bypass_mfu=0.5, bypass_bytes_per_s=bytes_per_s)
+    base = offloading_config([cfg])
+    spec_cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",), group_id=0),
+                OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.1",), group_id=1)),
+        worker_kv_bytes_per_block=BLOCK, enable_kv_cache_events=False,
+        extra_config=base.extra_config, engine_id=f"pykvtier-test-{uuid.uuid4().hex[:12]}",
+        model=base.model, cache=base.cache, parallel=base.parallel)
+    spec = OffloadingSpecFactory.create_spec(spec_cfg)
+    assert spec.tokens_per_block == (16, 16)
+    arr = aligned_rows(num_chunks)
+    tier = SecondaryTierFactory.create_secondary_tier(dict(cfg), memoryview(arr), spec)
+    return tier, arr
+
+
+def test_two_groups_keys_at_one_position_are_two_loads(root):
+    """Two KV-cache groups, 8 blocks each (16 keys, 2 per end position). A key loads in L = r[0]
+    + 0.5 us: one key per position would pay off from 5 positions on (k L <= sum r[:k] once
+    0.5 us <= 0.1357 us x (k - 1)), but each position loads 2 keys (2 L ~ 904 us > 453 us of
+    recompute): nothing pays off. The deferral step kept the end positions as a set (8), so the
+    tier decided k = 8 and answered HIT for all 16; now it counts the 16 keys: MISS all 16."""
+    L = _r(0) + 0.5e-6
+    assert 8 * L <= sum(_r(j) for j in range(8))  # what the set of 8 positions gave
+    assert all(2 * k * L > sum(_r(j) for j in range(k)) for k in range(1, 9))
+    tier, arr = two_group_tier(root, BLOCK / L)
+    try:
+        g0, g1 = [gkey(j, 0) for j in range(8)], [gkey(j, 1) for j in range(8)]
+        store(tier, arr, g0 + g1)
+        ctx = ReqContext("r")
+        for j in range(8):
+            ctx.set_offload_key_position(g0[j], 16 * (j + 1))
+            ctx.set_offload_key_position(g1[j], 16 * (j + 1))
+        a = Answers(tier)  # vLLM's _lookup_complete_chunks: group 0's prefix, then group 1's
+        assert prefix_lookup(a, g0, ctx) is None and prefix_lookup(a, g1, ctx) is None
+        assert a.got == dict.fromkeys(g0 + g1, RETRY)
+        assert prefix_lookup(a, g1, ctx) is None  # asked again in the step: counted once
+        end_step(tier)
+        assert [tier.lookup(k, ctx) for k in g0 + g1] == [MISS] * 16
+        assert counters(tier) == (16, 1, 1)
+        assert tier.stats()["loads_submitted"] == 0
+    finally:
+        tier.shutdown()
+
+
+def test_two_groups_first_hit_shortcut_counts_every_groups_key(root):
+    """The 'HIT at once' shortcut weighs a position's keys of every group: L = 0.6 r[0] (one
+    key alone would pay off, a position's 2 keys, 1.2 r[0], do not): counted for a step, then
+    MISS for the 8 keys; 1 deferral. Before: HIT at once for all 8."""
+    L = 0.6 * _r(0)
+    assert L <= _r(0) and all(2 * k * L > sum(_r(j) for j in range(k)) for k in range(1, 5))
+    tier, arr = two_group_tier(root, BLOCK / L)
+    try:
+        g0, g1 = [gkey(j, 0) for j in range(4)], [gkey(j, 1) for j in range(4)]
+        store(tier, arr, g0 + g1)
+        ctx = ReqContext("r")
+        for j in range(4):
+            ctx.set_offload_key_position(g0[j], 16 * (j + 1))
+            ctx.set_offload_key_position(g1[j], 16 * (j + 1))
+        assert [tier.lookup(k, ctx) for k in g0 + g1] == [RETRY] * 8
+        end_step(tier)
+        assert [tier.lookup(k, ctx) for k in g0 + g1] == [MISS] * 8
+        assert counters(tier) == (8, 1, 1)
+    finally:
+        tier.shutdown()

@@ -29,15 +29,16 @@ How it maps onto pykvtier:
   itself and treats anything else as a miss.
 - ``bypass: auto`` (off by default): a request's hits answer MISS from the block where loading
   them stops paying off (:func:`pykvtier.costmodel.loadable_prefix`; docs/design.md "Load or
-  recompute"). vLLM asks a tier one key at a time (in prompt order, or from the end for a
-  sliding-window group), with the request's ``ReqContext`` (the same object for all its
-  lookups, every step) and each key's end-token position in it (``get_offload_key_position``),
-  and starts a promotion on every HIT, so the tier cannot see which hits follow when it answers
-  the first. If a block would load in time for the prompt's first block, every block is worth
-  loading (recompute grows along the prompt) and the adapter answers HIT at once; else it answers
-  RETRY for the request's hits that step (vLLM keeps scanning on RETRY and starts no
-  promotion), counting them, and decides on the request's next lookup with the count: HIT up to
-  block k, MISS past it (kept in the ``ReqContext``'s state for the request's later steps).
+  recompute"). vLLM asks a tier one key at a time (per KV-cache group: in prompt order, or
+  from the end for a sliding-window group), with the request's ``ReqContext`` (the same object
+  for all its lookups, every step) and each key's end-token position in it
+  (``get_offload_key_position``), and starts a promotion on every HIT, so the tier cannot see
+  which hits follow when it answers the first. If a position's keys (one per group) would load
+  in time for the prompt's first block, every block is worth loading (recompute grows along the
+  prompt) and the adapter answers HIT at once; else it answers RETRY for the request's hits
+  that step (vLLM keeps scanning on RETRY and starts no promotion), counting each key, and
+  decides on the request's next lookup with the count: HIT up to position k, MISS past it
+  (kept in the ``ReqContext``'s state for the request's later steps).
 
 Importing this module imports vLLM; importing ``pykvtier`` never does.
 """
@@ -435,11 +436,11 @@ def _roots(root_dir: Any) -> list[str]:
 class _BypassState:
     """A request's bypass decision, kept in its ``ReqContext`` (:class:`_BypassStates`):
     ``cutoff``, the end-token position past which its hits answer MISS (``math.inf``: none;
-    None: not decided yet); while undecided, ``counted``: the end positions of the hits
-    answered RETRY in step ``step``."""
+    None: not decided yet); while undecided, ``counted``: the hits answered RETRY in step
+    ``step``, each key (one per KV-cache group at a position) with its end position."""
 
     cutoff: float | None = None
-    counted: set[int] | None = None
+    counted: dict[bytes, int] | None = None
     step: int = -1
 
 
@@ -558,6 +559,8 @@ class PyKVTier(SecondaryTierManager):
         self.prefill = PrefillModel(get_preset(cfg.bypass_model), cfg.bypass_gpu, cfg.bypass_mfu,
                                     gpus=int(tp))
         self.tokens_per_key = int(spec.tokens_per_block[0]) * int(spec.blocks_per_chunk)
+        # KV-cache groups: vLLM's keys at one position, one per group (a row each)
+        self.kv_groups = len(spec.tokens_per_block)
         # the cheapest key to recompute: the prompt's first (recompute grows along the prompt)
         self._first_key_s = self.prefill.block_seconds(0, self.tokens_per_key)
         self.bandwidth = BandwidthEstimate(cfg.bypass_bytes_per_s)
@@ -645,15 +648,16 @@ class PyKVTier(SecondaryTierManager):
         ReqContext):
 
         - decided: a HIT past the cutoff position answers MISS;
-        - its first HIT: no bandwidth estimate yet, or a block loads in time for the prompt's
-          first block, the cheapest to recompute (``loadable_prefix(1, ...) == 1``, the bytes
-          queued = this tier's load jobs in flight and this step's HITs): then every block pays
-          off whatever its position and whichever order vLLM asks in (its sliding-window lookup
-          scans from the end): HIT, and every later one (no cutoff); else RETRY, and this step's
-          HITs of the request are counted (RETRY each);
-        - its first lookup in a later step decides: ``k = loadable_prefix(counted hits, ...)``
-          on the counted blocks' recompute seconds, cutoff = the k-th counted block's end
-          (none when k is all of them), ``bypassed_hits += hits - k``.
+        - its first HIT: no bandwidth estimate yet, or a position's keys (one per KV-cache
+          group) load in time for the prompt's first block, the cheapest to recompute
+          (``loadable_prefix(1, ...) == 1``, the bytes queued = this tier's load jobs in flight
+          and this step's HITs): then every block pays off whatever its position and whichever
+          order vLLM asks in (its sliding-window lookup scans from the end): HIT, and every later
+          one (no cutoff); else RETRY, and this step's HITs of the request are counted, per key
+          (RETRY each);
+        - its first lookup in a later step decides (:meth:`_decide`) on the counted keys sorted
+          by position: cutoff = the end of the last position of the loadable prefix (none when
+          it is all of them), ``bypassed_hits += keys past it``.
         """
         plain = self._lookup(key)
         end = ctx.get_offload_key_position(key) if ctx is not None else None
@@ -679,30 +683,41 @@ class PyKVTier(SecondaryTierManager):
         if plain is not LookupResult.HIT:
             return plain
         if st.counted is not None:  # this step's count
-            st.counted.add(end)
+            st.counted[key] = end
             return LookupResult.RETRY
         bw = self.bandwidth.bytes_per_s
-        if not bw or loadable_prefix(1, self.block_size_bytes, self._queued_bytes(), bw,
-                                     [self._first_key_s]) == 1:
+        if not bw or loadable_prefix(1, self.block_size_bytes * self.kv_groups,
+                                     self._queued_bytes(), bw, [self._first_key_s]) == 1:
             st.cutoff = math.inf  # (recompute grows along the prompt: all the hits load)
             self._step_hits += 1
             return plain
-        st.counted = {end}
+        st.counted = {key: end}
         st.step = self._step
         self.bypass_deferrals += 1
         return LookupResult.RETRY
 
     def _decide(self, st: _BypassState) -> None:
-        ends = sorted(st.counted)
+        """The cutoff of the counted hits: ``loadable_prefix``'s rule over their positions in
+        prompt order, a position loading every key counted at it (one per KV-cache group,
+        ``block_size_bytes`` each) and saving its recompute once."""
+        per_end = Counter(st.counted.values())
         st.counted = None
+        ends = sorted(per_end)
+        total = sum(per_end.values())
         bw = self.bandwidth.bytes_per_s
-        k = len(ends)
-        if bw:
-            k = loadable_prefix(len(ends), self.block_size_bytes, self._queued_bytes(), bw,
-                                [self._recompute_seconds(e) for e in ends])
+        k = len(ends)  # positions loaded
+        if bw:  # (as loadable_prefix: (Q + bytes) / W <= the recompute seconds, summed)
+            load_bytes = self._queued_bytes()
+            saved = 0.0
+            k = 0
+            for i, e in enumerate(ends, 1):
+                load_bytes += per_end[e] * self.block_size_bytes
+                saved += self._recompute_seconds(e)
+                if load_bytes / bw <= saved:
+                    k = i
         st.cutoff = math.inf if k == len(ends) else (ends[k - 1] if k else 0)
         if k < len(ends):
-            self.bypassed_hits += len(ends) - k
+            self.bypassed_hits += total - sum(per_end[e] for e in ends[:k])
             self.bypassed_requests += 1
 
     def _recompute_seconds(self, end: int) -> float:
