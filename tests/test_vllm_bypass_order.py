@@ -1,8 +1,9 @@
 """bypass: auto in the vLLM adapter, corner cases found by a breaking review: the decision does
 not depend on the order vLLM looks keys up in (its sliding-window lookup scans a request's keys
-from the end), and counts every KV-cache group's key at a position. Driven through vLLM's own
-classes (its scheduler's lookup loops, ReqContext, ScheduleEndContext, a tier made by
-SecondaryTierFactory); exact values, no sleeps, no timing asserts."""
+from the end), counts every KV-cache group's key at a position, and is made again when the
+request resumes after a preemption. Driven through vLLM's own classes (its scheduler's lookup
+loops, ReqContext, ScheduleEndContext, a tier made by SecondaryTierFactory); exact values, no
+sleeps, no timing asserts."""
 
 from __future__ import annotations
 
@@ -219,3 +220,42 @@ def test_two_groups_first_hit_shortcut_counts_every_groups_key(root):
         assert counters(tier) == (8, 1, 1)
     finally:
         tier.shutdown()
+
+
+# ------------------------------------------------------------------ 3. preemption
+
+
+def test_a_preempted_request_decides_again_when_it_resumes(root, make_tier):
+    """vLLM keeps a request's ReqContext from on_new_request to its end, preemption included
+    (scheduler.py: on_new_request makes it; a preempted request's get_num_new_matched_tokens
+    looks its keys up again with it), so the decision made before the preemption was reused
+    after it, in another queue. 1e8 B/s (327.68 us a key): b's 10 hits decided behind 4 queued
+    keys, k = 0 (MISS all 10); b is preempted; resumed with nothing queued its first hit alone
+    pays off: HIT all 10 (was MISS all 10, stale)."""
+    cfg = tier_config(root, bypass="auto", bypass_model="llama-3-8b", bypass_gpu="h100",
+                      bypass_mfu=0.5, bypass_bytes_per_s=1e8)
+    tier, arr = make_tier(cfg, num_chunks=32)
+    ka = [gkey(j, 0, b"a") for j in range(4)]
+    kb = [gkey(j, 0, b"b") for j in range(10)]
+    store(tier, arr, ka + kb)
+
+    def ctx_of(rid, keys):
+        c = ReqContext(rid)
+        for j, k in enumerate(keys):
+            c.set_offload_key_position(k, 16 * (j + 1))
+        return c
+
+    a, a2, b = ctx_of("a", ka), ctx_of("a2", ka), ctx_of("b", kb)
+    assert [tier.lookup(k, a) for k in ka] == [HIT] * 4
+    assert [tier.lookup(k, b) for k in kb] == [RETRY] * 10  # behind a's 4: counted
+    end_step(tier)
+    assert [tier.lookup(k, a2) for k in ka] == [HIT] * 4  # a queue again
+    assert [tier.lookup(k, b) for k in kb] == [MISS] * 10  # (4 + 10) x 327.68 > sum r[:10]
+    assert counters(tier) == (10, 1, 1)
+    end_step(tier)
+    assert [tier.lookup(k, b) for k in kb] == [MISS] * 10  # kept while b waits
+    end_step(tier, preempted=["b"])
+    assert [tier.lookup(k, b) for k in kb] == [HIT] * 10  # decided again: nothing queued
+    assert counters(tier) == (10, 1, 1)
+    tier.on_request_finished(b)
+    assert tier._bypass_preempted == set()

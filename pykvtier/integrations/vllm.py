@@ -38,7 +38,8 @@ How it maps onto pykvtier:
   prompt) and the adapter answers HIT at once; else it answers RETRY for the request's hits
   that step (vLLM keeps scanning on RETRY and starts no promotion), counting each key, and
   decides on the request's next lookup with the count: HIT up to position k, MISS past it
-  (kept in the ``ReqContext``'s state for the request's later steps).
+  (kept in the ``ReqContext``'s state for the request's later steps; made again after a
+  preemption).
 
 Importing this module imports vLLM; importing ``pykvtier`` never does.
 """
@@ -443,6 +444,11 @@ class _BypassState:
     counted: dict[bytes, int] | None = None
     step: int = -1
 
+    def reset(self) -> None:
+        self.cutoff = None
+        self.counted = None
+        self.step = -1
+
 
 class _BypassStates(dict):
     """A request's :class:`_BypassState` per PyKVTier (``id`` of the tier): the ReqContext's
@@ -551,6 +557,8 @@ class PyKVTier(SecondaryTierManager):
         self._bypass_reported = {k: 0 for k, _ in _BYPASS_COUNTERS.values()}
         self._step = 0  # scheduler steps ended (on_schedule_end)
         self._step_hits = 0  # HITs answered this step: promotions vLLM submits at its end
+        # req_ids preempted (ScheduleEndContext) whose decision is dropped at their next lookup
+        self._bypass_preempted: set[str] = set()
         self.prefill: PrefillModel | None = None
         self.bandwidth: BandwidthEstimate | None = None
         if cfg.bypass != "auto":
@@ -657,7 +665,8 @@ class PyKVTier(SecondaryTierManager):
           (RETRY each);
         - its first lookup in a later step decides (:meth:`_decide`) on the counted keys sorted
           by position: cutoff = the end of the last position of the loadable prefix (none when
-          it is all of them), ``bypassed_hits += keys past it``.
+          it is all of them), ``bypassed_hits += keys past it``;
+        - preempted (``ScheduleEndContext.preempted_req_ids``): decided again when it resumes.
         """
         plain = self._lookup(key)
         end = ctx.get_offload_key_position(key) if ctx is not None else None
@@ -672,6 +681,9 @@ class PyKVTier(SecondaryTierManager):
         st = states.get(id(self))
         if st is None:
             st = states[id(self)] = _BypassState()
+        if self._bypass_preempted and ctx.req_id in self._bypass_preempted:
+            self._bypass_preempted.discard(ctx.req_id)
+            st.reset()  # the queue and the request's hits have changed since
         if st.cutoff is None and st.counted is not None and st.step != self._step:
             self._decide(st)
         if st.cutoff is not None:
@@ -747,11 +759,17 @@ class PyKVTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Submits the step's existence probes (shared roots): one batch per root."""
+        """Submits the step's existence probes (shared roots): one batch per root. With
+        ``bypass: auto``, the preempted requests' decisions are dropped (made again on resume)."""
         for tier in self._tiers:
             tier.on_step_end()
         self._step += 1
         self._step_hits = 0
+        if self.prefill is not None and context.preempted_req_ids:
+            self._bypass_preempted.update(context.preempted_req_ids)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._bypass_preempted.discard(req_context.req_id)
 
     # ------------------------------------------------------------------ phase 2
 
