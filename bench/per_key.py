@@ -36,9 +36,9 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
-from pykvtier.bench.sysutil import default_bench_dir, plural  # noqa: E402
+from pykvtier.bench.sysutil import default_bench_dir, freeze_gc, plural  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
-from vs_vllm_fs import freeze_gc, make_spec  # noqa: E402
+from vs_vllm_fs import make_spec  # noqa: E402
 
 
 def finish(mgr, ids: set, wait) -> float:

@@ -45,7 +45,8 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
 from pykvtier import replay_tiers  # noqa: E402
-from pykvtier.bench.sysutil import ColdCache, add_side_by_side_args, disk_bench_dir  # noqa: E402
+from pykvtier.bench.sysutil import (  # noqa: E402
+    ColdCache, add_side_by_side_args, disk_bench_dir, freeze_gc)
 from pykvtier.replay import ReplayConfig, format_summary, run_replay  # noqa: E402
 from pykvtier.toolkit import format_bytes, parse_size  # noqa: E402
 from pykvtier.trace import load_trace  # noqa: E402
@@ -85,17 +86,6 @@ def _config(args, root: str) -> ReplayConfig:
     return ReplayConfig(**{k: v for k, v in kw.items() if k in have})
 
 
-def _freeze_gc() -> None:
-    import gc
-    try:
-        from vllm.utils.gc_utils import freeze_gc_heap
-    except ImportError:
-        gc.collect()
-        gc.freeze()
-        return
-    freeze_gc_heap()
-
-
 def _fmt(v, fmt: str) -> str:
     if v is None:
         return "n/a"
@@ -122,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     base, mnt = disk_bench_dir(args.dir, "pykvtier-replay-vs-vllm-fs")
     fs_factory = replay_tiers.make_vllm_fs_tier_factory()
     if not args.no_freeze_gc:
-        _freeze_gc()
+        freeze_gc()
     cold = ColdCache(enabled=not args.no_drop_caches)
     probe = _config(args, base)
     requests = load_trace(probe.trace, probe.max_requests)

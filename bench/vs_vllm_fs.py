@@ -71,7 +71,7 @@ try:  # the installed pykvtier; else the source tree above (an editable or in-pl
 except ImportError:
     sys.path.insert(0, os.path.dirname(HERE))
 
-from pykvtier.bench.sysutil import ColdCache, disk_bench_dir, rusage_cpu  # noqa: E402
+from pykvtier.bench.sysutil import ColdCache, disk_bench_dir, freeze_gc, rusage_cpu  # noqa: E402
 from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
@@ -152,20 +152,6 @@ def fs_waiter(fs):
         with cond:
             cond.wait_for(lambda: pool._finished_q or pool._inflight_jobs == 0, timeout=1.0)
     return wait
-
-
-def freeze_gc() -> None:
-    """As vLLM's engine core does after start-up (vllm.utils.gc_utils.freeze_gc_heap): the
-    start-up heap (vLLM's and torch's modules) leaves the GC's view. Without it, full
-    collections over that heap take about half of both tiers' CPU here, as perf shows."""
-    import gc
-    try:
-        from vllm.utils.gc_utils import freeze_gc_heap
-    except ImportError:
-        gc.collect()
-        gc.freeze()
-        return
-    freeze_gc_heap()
 
 
 def fs_backend() -> str:
