@@ -73,6 +73,7 @@ except ImportError:
 
 from pykvtier.bench.sysutil import ColdCache, disk_bench_dir, freeze_gc, rusage_cpu  # noqa: E402
 from pykvtier.bench.sysutil import quantile as pct  # noqa: E402
+from pykvtier.replay_tiers import offloading_spec  # noqa: E402
 from pykvtier.toolkit import parse_size  # noqa: E402
 
 GiB = 1 << 30
@@ -89,25 +90,9 @@ def fmt_size(n: int) -> str:
 
 
 def make_spec(block: int, root_cfgs: list[dict]):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
-        OffloadingParallelConfig)
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=block, enable_kv_cache_events=False,
-        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * block,
-                      "secondary_tiers": root_cfgs},
-        engine_id=f"pykvtier-bench-{uuid.uuid4().hex[:10]}",
-        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=True))
-    return OffloadingSpecFactory.create_spec(cfg)
+    """vLLM's TieringOffloadingSpec over ``root_cfgs`` (a CPU tier of 64 blocks)."""
+    return offloading_spec(block, root_cfgs, model_name="bench/model", cpu_bytes=64 * block,
+                           engine_id=f"pykvtier-bench-{uuid.uuid4().hex[:10]}")
 
 
 class Tier:

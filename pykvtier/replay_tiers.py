@@ -71,6 +71,37 @@ class _Vllm:
     backend: str
 
 
+def offloading_spec(block_size: int, tier_configs: list[dict], *, model_name: str,
+                    cpu_bytes: int, engine_id: str) -> Any:
+    """The TieringOffloadingSpec vLLM's OffloadingConnector makes from its config: one KV group
+    of 16 tokens per block, one worker, one chunk of ``block_size`` bytes per block, a CPU tier
+    of ``cpu_bytes`` and ``tier_configs`` as its secondary tiers (vLLM's fs tier's FileMapper
+    names its files from ``model_name``). Imports vLLM (ImportError where it is missing)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=block_size, enable_kv_cache_events=False,
+        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes,
+                      "secondary_tiers": list(tier_configs)},
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model_name, dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True))
+    return OffloadingSpecFactory.create_spec(cfg)
+
+
 @functools.lru_cache(maxsize=1)
 def _import_vllm_cached() -> _Vllm:
     from vllm.v1.kv_offload.base import (
@@ -81,37 +112,15 @@ def _import_vllm_cached() -> _Vllm:
         ScheduleEndContext,
         make_offload_key,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.base import TransferJob as VTransferJob
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.fs import io as fs_io
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
     def make_spec(block_size: int, model_name: str, tier_config: dict) -> Any:
-        """The TieringOffloadingSpec vLLM's OffloadingConnector makes from its config (one
-        KV group, one worker, one block of ``block_size`` bytes per chunk) with the fs tier as
-        its one secondary tier; the fs tier's FileMapper names its files from it."""
-        cfg = OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",),
-                                          group_id=0),),
-            worker_kv_bytes_per_block=block_size, enable_kv_cache_events=False,
-            extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": block_size,
-                          "secondary_tiers": [tier_config]},
-            engine_id=f"pykvtier-replay-{os.getpid()}",
-            model=OffloadingModelConfig(name=model_name, dtype="bfloat16"),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=True))
-        return OffloadingSpecFactory.create_spec(cfg)
+        return offloading_spec(block_size, [tier_config], model_name=model_name,
+                               cpu_bytes=block_size,
+                               engine_id=f"pykvtier-replay-{os.getpid()}")
 
     backend = ("C extension vllm.fs_io_C" if getattr(fs_io, "_HAS_FSIO_C", False)
                else "pure Python")
