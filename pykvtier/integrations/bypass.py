@@ -7,9 +7,9 @@ the hits whose load, behind the bytes already queued, ends no later than the GPU
 recomputed those tokens (docs/design.md, "Load or recompute"). The engine then loads those and
 recomputes the rest, as for any miss.
 
-This module holds what the adapters share: the option fields (:func:`bypass_options`, written
-into each adapter's options dataclass so that the README's tables list them),
-:func:`check_bypass` (the options' checks, ValueError naming the option, as the vLLM adapter's)
+This module holds what the adapters share: the option texts (:func:`bypass_docs`, for the five
+``bypass*`` fields each adapter's options dataclass declares, so that the README's tables list
+them), :func:`check_bypass` (the options' checks, ValueError naming the option, for every adapter)
 and :class:`PrefixBypass` (the decision, the bandwidth estimate, the counters). It imports no
 engine.
 """
